@@ -1,0 +1,47 @@
+# llmhost — the two commands are `make demo` (mk/demo.mk) and `make test`.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PYTHON ?= python3
+
+.PHONY: setup test test-unit test-e2e lint lint-python clean
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make demo       provision a local systemd container with site.yml and serve the tiny model"
+	@echo "make demo-down  stop and remove the demo container"
+	@echo "make test       every test: lint, unit, e2e (real tritonserver + vLLM), system (booted host)"
+	@echo "make setup      create .venv (vLLM CPU, Triton, test tools)"
+
+# The venv: vLLM first, Triton second (they cannot be resolved in one pip call:
+# see pyproject.toml), then drop CUDA-only wheels that break imports on CPU.
+$(VENV)/.setup-done: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[cpu,test]'
+	$(PIP) install -q -e '.[triton]'
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(PY) -c "import vllm, pytriton, tritonclient.grpc, llmhost.backend.model" 
+	touch $@
+
+setup: $(VENV)/.setup-done
+
+lint-python: setup
+	$(VENV)/bin/ruff check src tests scripts
+
+lint: lint-python lint-ansible
+
+test-unit: setup
+	$(VENV)/bin/pytest -q tests/unit
+
+test-e2e: setup
+	$(VENV)/bin/pytest -q tests/e2e
+
+test: setup lint
+	$(VENV)/bin/pytest tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+-include mk/*.mk

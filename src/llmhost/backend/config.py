@@ -1,0 +1,90 @@
+"""model.json: vLLM engine arguments plus llmhost's own serving settings.
+
+A model directory's ``model.json`` is a JSON object whose keys are vLLM
+``AsyncEngineArgs`` fields, plus one key ``llmhost`` holding the settings that
+belong to this backend (defaults that vLLM gets wrong for a server, limits, drain).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+SETTINGS_KEY = "llmhost"
+
+
+class ConfigError(ValueError):
+    """model.json is missing, unreadable or holds a bad value."""
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    # vLLM's own default is 16 tokens, which cuts answers short (a top complaint
+    # of NVIDIA's backend's users); a server wants a real default.
+    default_max_tokens: int = 512
+    # Largest n (parallel completions) one request may ask for.
+    max_n: int = 8
+    # On unload, wait this long for in-flight requests before aborting them.
+    drain_timeout_s: float = 30.0
+    # How often (seconds) one request's cancellation is checked with tritonserver.
+    cancel_check_interval_s: float = 0.25
+    # Include the prompt in non-streaming text_output (NVIDIA backend's default).
+    exclude_input_in_output: bool = False
+    # Push aggregated metrics to tritonserver this often (seconds).
+    metrics_interval_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    engine_args: dict[str, Any]
+    settings: BackendSettings
+
+
+def _check_setting(name: str, value: Any, default: Any) -> Any:
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"model.json: llmhost.{name} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"model.json: llmhost.{name} must be an integer, got {value!r}")
+        if value < 1:
+            raise ConfigError(f"model.json: llmhost.{name} must be >= 1, got {value}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"model.json: llmhost.{name} must be a number, got {value!r}")
+    if value < 0:
+        raise ConfigError(f"model.json: llmhost.{name} must be >= 0, got {value}")
+    return float(value)
+
+
+def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError("model.json must hold a JSON object")
+    engine_args = {k: v for k, v in raw.items() if k != SETTINGS_KEY}
+    if "model" not in engine_args or not isinstance(engine_args["model"], str):
+        raise ConfigError("model.json: 'model' (the weights directory or model id) is required")
+    given = raw.get(SETTINGS_KEY, {})
+    if not isinstance(given, dict):
+        raise ConfigError("model.json: 'llmhost' must be an object")
+    defaults = BackendSettings()
+    known = {f.name for f in fields(BackendSettings)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigError(f"model.json: unknown llmhost setting(s) {unknown}; known: {sorted(known)}")
+    values = {k: _check_setting(k, v, getattr(defaults, k)) for k, v in given.items()}
+    return ModelConfig(engine_args=engine_args, settings=BackendSettings(**values))
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+    return parse_model_config(raw)

@@ -1,0 +1,271 @@
+"""Triton Python-based backend for vLLM: the ``TritonPythonModel`` Triton loads.
+
+Installed as ``<backend-dir>/vllm/model.py`` (a one-line shim importing this), so a
+model directory holds only ``config.pbtxt`` (``backend: "vllm"``) and ``model.json``.
+
+Threads in the stub process:
+- Triton's thread calls ``execute()``: parse and validate, schedule, return at once;
+- the engine thread runs vLLM's AsyncLLM in an asyncio loop (engine.py);
+- the I/O thread does every round trip to tritonserver (sending responses,
+  cancellation checks, metric pushes), so neither of the others ever waits on one.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import locale
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmhost.backend.config import ConfigError, load_model_config
+from llmhost.backend.engine import Active, Chunk, EngineRunner
+from llmhost.backend.errors import RequestError
+from llmhost.backend.metrics import ServingMetrics, TritonExporter
+from llmhost.backend.request import BOOL_INPUTS, MESSAGES, SAMPLING_PARAMETERS, TEXT_INPUT, parse_request
+
+INPUTS: list[dict[str, Any]] = [
+    {"name": TEXT_INPUT, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": MESSAGES, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": SAMPLING_PARAMETERS, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    *({"name": n, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for n in BOOL_INPUTS),
+]
+OUTPUTS: list[dict[str, Any]] = [
+    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+]
+INPUT_NAMES = [i["name"] for i in INPUTS]
+
+
+def _pb() -> Any:
+    import triton_python_backend_utils as pb_utils  # only importable inside the stub
+
+    return pb_utils
+
+
+class _TritonSink:
+    """Sends one request's results; every call only enqueues work for the I/O thread."""
+
+    __slots__ = ("active", "done", "flags", "io", "sender")
+
+    def __init__(self, io: _TritonIO, sender: Any, flags: tuple[bool, bool, bool]) -> None:
+        self.io = io
+        self.sender = sender
+        self.flags = flags
+        self.active: Active | None = None
+        self.done = False
+
+    def send(self, chunk: Chunk) -> None:
+        self.io.put(("chunk", self, chunk))
+
+    def fail(self, message: str) -> None:
+        self.io.put(("error", self, message))
+
+    def cancelled(self) -> None:
+        self.io.put(("error", self, "request cancelled"))
+
+
+class _TritonIO:
+    """The one thread that talks to tritonserver after execute() returns."""
+
+    def __init__(self, runner: EngineRunner, metrics: ServingMetrics, interval_s: float, metrics_s: float,
+                 exporter: TritonExporter | None) -> None:
+        self.q: queue.SimpleQueue[tuple[str, Any, Any] | None] = queue.SimpleQueue()
+        self.runner = runner
+        self.metrics = metrics
+        self.interval = interval_s
+        self.metrics_s = metrics_s
+        self.exporter = exporter
+        self.sinks: dict[str, _TritonSink] = {}
+        self.thread = threading.Thread(target=self._run, name="llmhost-triton-io", daemon=True)
+        self.thread.start()
+
+    def put(self, item: tuple[str, Any, Any]) -> None:
+        self.q.put(item)
+
+    def stop(self) -> None:
+        self.q.put(None)
+        self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        pb = _pb()
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        last_flush = time.monotonic()
+        last_poll = time.monotonic()
+        while True:
+            try:
+                item = self.q.get(timeout=min(self.interval, self.metrics_s))
+            except queue.Empty:
+                item = ("tick", None, None)
+            if item is None:
+                break
+            kind, sink, payload = item
+            try:
+                if kind == "chunk":
+                    sink.sender.send(self._response(pb, sink, payload), flags=final if payload.final else 0)
+                    if payload.final:
+                        self._forget(sink)
+                    else:
+                        self._maybe_check(sink, time.monotonic())
+                elif kind == "error":
+                    sink.sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(payload)),
+                                     flags=final)
+                    self._forget(sink)
+                elif kind == "track" and not sink.done:
+                    self.sinks[payload] = sink
+            except Exception as exc:  # noqa: BLE001 - a dead client must not stop the thread
+                pb.Logger.log_warn(f"[llmhost] sending a response failed: {exc}")
+                self._forget(sink)
+            now = time.monotonic()
+            if now - last_poll >= self.interval:
+                # Requests that produced nothing lately (non-streaming ones, long
+                # prefills) still get their cancellation checked.
+                for s in list(self.sinks.values()):
+                    self._maybe_check(s, now)
+                last_poll = now
+            if self.exporter is not None and now - last_flush >= self.metrics_s:
+                self._flush(pb)
+                last_flush = now
+        if self.exporter is not None:
+            self._flush(pb)
+
+    def _flush(self, pb: Any) -> None:
+        try:
+            assert self.exporter is not None
+            self.exporter.apply(self.metrics.deltas())
+        except Exception as exc:  # noqa: BLE001
+            pb.Logger.log_warn(f"[llmhost] pushing metrics failed: {exc}")
+
+    def _forget(self, sink: _TritonSink | None) -> None:
+        if sink is not None:
+            sink.done = True
+            if sink.active is not None:
+                self.sinks.pop(sink.active.request_id, None)
+
+    def _maybe_check(self, sink: _TritonSink, now: float) -> None:
+        active = sink.active
+        if active is None or sink.done or now - active.last_check < self.interval:
+            return
+        active.last_check = now
+        if sink.sender.is_cancelled():
+            self.runner.cancel(active)
+            self.sinks.pop(active.request_id, None)
+
+    @staticmethod
+    def _response(pb: Any, sink: _TritonSink, chunk: Chunk) -> Any:
+        want_reason, want_in, want_out = sink.flags
+        tensors = [pb.Tensor("text_output", np.array([t.encode("utf-8") for t in chunk.texts], dtype=np.object_))]
+        if want_reason:
+            tensors.append(pb.Tensor("finish_reason", np.array([r.encode() for r in chunk.finish_reasons],
+                                                               dtype=np.object_)))
+        if want_in:
+            tensors.append(pb.Tensor("num_input_tokens", np.array([chunk.num_input_tokens], dtype=np.uint32)))
+        if want_out:
+            tensors.append(pb.Tensor("num_output_tokens", np.array(chunk.num_output_tokens, dtype=np.uint32)))
+        return pb.InferenceResponse(output_tensors=tensors)
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config: Any) -> Any:
+        cfg = auto_complete_model_config
+        have_in = {i["name"] for i in cfg.as_dict().get("input", [])}
+        have_out = {o["name"] for o in cfg.as_dict().get("output", [])}
+        for spec in INPUTS:
+            if spec["name"] not in have_in:
+                cfg.add_input(spec)
+        for spec in OUTPUTS:
+            if spec["name"] not in have_out:
+                cfg.add_output(spec)
+        # vLLM batches by itself and streams: Triton must neither batch nor wait
+        # for a single response.
+        cfg.set_max_batch_size(0)
+        cfg.set_model_transaction_policy({"decoupled": True})
+        return cfg
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        # `import vllm` fails with UnicodeDecodeError in the stub's isolated
+        # interpreter unless the C locale is made UTF-8 first.
+        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+        pb = _pb()
+        self.log = pb.Logger
+        model_config = json.loads(args["model_config"])
+        if not pb.using_decoupled_model_transaction_policy(model_config):
+            raise pb.TritonModelException("the vllm backend needs a decoupled model: set model_transaction_policy "
+                                          "{ decoupled: true } in config.pbtxt")
+        model_dir = Path(args["model_repository"]) if "model_repository" in args else Path(".")
+        try:
+            self.config = load_model_config(model_dir / "model.json")
+        except ConfigError as exc:
+            raise pb.TritonModelException(str(exc)) from None
+        self._apply_placement(args)
+        self.metrics = ServingMetrics()
+        self.runner = EngineRunner(self.config, self.metrics, lambda m: pb.Logger.log_info(f"[llmhost] {m}"))
+        self.runner.start()
+        # Metric families are made only after the engine is up and dropped in
+        # finalize(): made earlier they crash the stub at exit.
+        exporter = TritonExporter(pb, args["model_name"], args.get("model_version", "1"))
+        s = self.config.settings
+        self.io = _TritonIO(self.runner, self.metrics, s.cancel_check_interval_s, s.metrics_interval_s, exporter)
+        pb.Logger.log_info(f"[llmhost] model {args['model_name']} ready "
+                           f"(max_model_len {self.runner._max_model_len}, default max_tokens {s.default_max_tokens})")
+
+    def _apply_placement(self, args: dict[str, Any]) -> None:
+        kind = args.get("model_instance_kind", "CPU")
+        tp = int(self.config.engine_args.get("tensor_parallel_size", 1))
+        pp = int(self.config.engine_args.get("pipeline_parallel_size", 1))
+        if kind == "GPU":
+            if tp * pp > 1:
+                raise _pb().TritonModelException(
+                    f"tensor_parallel_size x pipeline_parallel_size = {tp * pp}: use instance_group kind "
+                    "KIND_MODEL for a model spanning several GPUs (KIND_GPU pins one GPU per instance)")
+            import os
+
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(args.get("model_instance_device_id", "0"))
+
+    def execute(self, requests: list[Any]) -> None:
+        pb = _pb()
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        settings = self.config.settings
+        for request in requests:
+            sender = request.get_response_sender()
+            if not self.runner.accepting:
+                self.metrics.inc("vllm:request_failed_total", label="shutting_down")
+                sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(
+                    "the model is shutting down; retry on another instance")), flags=final)
+                continue
+            try:
+                inputs = {}
+                for name in INPUT_NAMES:
+                    tensor = pb.get_input_tensor_by_name(request, name)
+                    inputs[name] = tensor.as_numpy() if tensor is not None else None
+                job = parse_request(inputs, request.parameters(), settings)
+            except RequestError as exc:
+                self.metrics.inc("vllm:request_failed_total", label="invalid_request")
+                sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(exc))), flags=final)
+                continue
+            sink = _TritonSink(self.io, sender, (job.return_finish_reason, job.return_num_input_tokens,
+                                                 job.return_num_output_tokens))
+            active = self.runner.submit(job, sink)
+            self.io.put(("track", sink, active.request_id))
+        return None
+
+    def finalize(self) -> None:
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.stop(self.config.settings.drain_timeout_s)
+        io = getattr(self, "io", None)
+        if io is not None:
+            io.stop()
+            if io.exporter is not None:
+                io.exporter.close()
+            self.io = None
+        self.runner = None
+        gc.collect()

@@ -1,0 +1,4 @@
+# Installed by llmhost as <backend-directory>/vllm/model.py: Triton loads this file
+# for every model whose config.pbtxt says backend: "vllm". The code lives in the
+# llmhost package of the serving venv (llmhost.backend.model).
+from llmhost.backend.model import TritonPythonModel  # noqa: F401

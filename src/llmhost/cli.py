@@ -1,0 +1,111 @@
+"""The `llmhost` command: tiny-model, serve, smoke."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 1-65535, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmhost", description="Serve LLMs with Triton + vLLM on bare metal.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tiny-model", help="write a tiny random Qwen2-style model (no downloads)")
+    t.add_argument("dir", type=Path)
+    t.add_argument("--seed", type=int, default=0)
+
+    s = sub.add_parser("serve", help="run tritonserver with the llmhost vLLM backend in the foreground")
+    s.add_argument("--model", type=Path, required=True, help="Hugging Face model directory")
+    s.add_argument("--name", default="model", help="model name in Triton (default: model)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address for HTTP, gRPC and metrics")
+    s.add_argument("--http-port", type=_port, default=8000)
+    s.add_argument("--grpc-port", type=_port, default=8001)
+    s.add_argument("--metrics-port", type=_port, default=8002)
+    s.add_argument("--workdir", type=Path, help="where to lay out backends/ and models/ (default: a temp dir)")
+    s.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    s.add_argument("--max-model-len", type=int)
+    s.add_argument("--default-max-tokens", type=int, default=512)
+    s.add_argument("--max-n", type=int, default=8)
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain on shutdown")
+    s.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
+    s.add_argument("--engine-arg", type=_engine_arg, action="append", default=[], metavar="KEY=VALUE",
+                   help="extra vLLM engine argument (value parsed as JSON when it can be)")
+
+    k = sub.add_parser("smoke", help="check that an endpoint serves; exit 1 naming what failed")
+    k.add_argument("--url", default="http://127.0.0.1:8000", help="Triton HTTP URL")
+    k.add_argument("--metrics-url", help="Triton metrics URL, e.g. http://127.0.0.1:8002")
+    k.add_argument("--grpc-url", help="Triton gRPC HOST:PORT (default: the HTTP host, port 8001)")
+    k.add_argument("--no-grpc", action="store_true", help="skip the gRPC stream check")
+    k.add_argument("--model", default="model")
+    k.add_argument("--max-tokens", type=int, default=16)
+    k.add_argument("--timeout", type=float, default=60.0)
+    k.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def _default_grpc(url: str) -> str:
+    from urllib.parse import urlparse
+
+    return f"{urlparse(url).hostname or '127.0.0.1'}:8001"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "tiny-model":
+        from llmhost.tiny_model import write_tiny_model
+
+        try:
+            path = write_tiny_model(args.dir, seed=args.seed)
+        except ValueError as exc:
+            print(f"llmhost tiny-model: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote tiny model to {path}")
+        return 0
+    if args.command == "serve":
+        from llmhost.layout import LayoutError
+        from llmhost.serve import ServeOptions, run
+
+        opts = ServeOptions(
+            model=args.model, name=args.name, host=args.host, http_port=args.http_port,
+            grpc_port=args.grpc_port, metrics_port=args.metrics_port, workdir=args.workdir,
+            device=args.device, max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
+            max_n=args.max_n, drain_timeout_s=args.drain_timeout, kv_cache_gib=args.kv_cache_gib,
+            engine_args=dict(args.engine_arg),
+        )
+        try:
+            return run(opts)
+        except LayoutError as exc:
+            print(f"llmhost serve: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "smoke":
+        from llmhost.smoke import Smoke, render
+
+        grpc = None if args.no_grpc else (args.grpc_url or _default_grpc(args.url))
+        checks = Smoke(args.url, args.metrics_url, grpc, args.model, args.max_tokens, args.timeout).run()
+        print(render(checks, args.json))
+        return 0 if all(c.ok for c in checks) else 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

