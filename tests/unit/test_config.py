@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llmhost.backend.config import BackendSettings, ConfigError, load_model_config, parse_model_config
+
+
+def test_split_engine_args_and_settings():
+    cfg = parse_model_config({"model": "/m", "max_model_len": 64, "llmhost": {"default_max_tokens": 100}})
+    assert cfg.engine_args == {"model": "/m", "max_model_len": 64}
+    assert cfg.settings.default_max_tokens == 100
+    assert cfg.settings.max_n == BackendSettings().max_n
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ([], "JSON object"),
+        ({}, "'model'"),
+        ({"model": "/m", "llmhost": []}, "'llmhost' must be an object"),
+        ({"model": "/m", "llmhost": {"max_tokens": 5}}, "unknown llmhost setting(s) ['max_tokens']"),
+        ({"model": "/m", "llmhost": {"default_max_tokens": 0}}, "must be >= 1"),
+        ({"model": "/m", "llmhost": {"default_max_tokens": "5"}}, "must be an integer"),
+        ({"model": "/m", "llmhost": {"drain_timeout_s": -1}}, "must be >= 0"),
+        ({"model": "/m", "llmhost": {"exclude_input_in_output": 1}}, "true or false"),
+    ],
+)
+def test_bad_config(raw, needle):
+    with pytest.raises(ConfigError) as err:
+        parse_model_config(raw)
+    assert needle in str(err.value)
+
+
+def test_load_errors_name_the_file(tmp_path: Path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_model_config(tmp_path / "model.json")
+    (tmp_path / "model.json").write_text("{oops")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        load_model_config(tmp_path / "model.json")
+    (tmp_path / "model.json").write_text(json.dumps({"model": "/m"}))
+    assert load_model_config(tmp_path / "model.json").engine_args == {"model": "/m"}

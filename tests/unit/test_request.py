@@ -1,0 +1,117 @@
+"""Request parsing and validation: every bad input gets an error naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from llmhost.backend.config import BackendSettings
+from llmhost.backend.errors import RequestError
+from llmhost.backend.request import parse_messages, parse_request
+
+S = BackendSettings()
+
+
+def arr(value: object) -> np.ndarray:
+    if isinstance(value, bool):
+        return np.array([value], dtype=np.bool_)
+    if isinstance(value, str):
+        value = value.encode()
+    return np.array([value], dtype=np.object_)
+
+
+def parse(params: dict | None = None, **inputs: object):
+    return parse_request({k: arr(v) for k, v in inputs.items()}, json.dumps(params or {}), S)
+
+
+def test_text_prompt_defaults():
+    job = parse(text_input="hello")
+    assert job.prompt == "hello" and job.messages is None
+    assert job.stream is False
+    assert job.sampling["max_tokens"] == S.default_max_tokens != 16
+    assert job.exclude_input is False
+
+
+def test_parameters_merge_json_input_and_request_params():
+    job = parse({"max_tokens": "7", "temperature": 0}, text_input="hi",
+                sampling_parameters=json.dumps({"max_tokens": 3, "top_p": "0.5", "stop": "\n"}))
+    assert job.sampling["max_tokens"] == 7  # request parameters win
+    assert job.sampling["top_p"] == 0.5
+    assert job.sampling["stop"] == ["\n"]
+    assert job.sampling["temperature"] == 0.0
+
+
+def test_bool_switches_as_inputs_or_parameters():
+    job = parse({"return_finish_reason": True, "exclude_input_in_output": True}, text_input="hi", stream=True)
+    assert job.stream and job.return_finish_reason and job.exclude_input
+
+
+def test_messages_parsed_and_exclude_input_forced():
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+    job = parse(messages=json.dumps(msgs))
+    assert job.messages == msgs and job.prompt is None and job.exclude_input
+
+
+@pytest.mark.parametrize(
+    ("inputs", "params", "needle"),
+    [
+        ({}, {}, "missing input"),
+        ({"text_input": "a", "messages": "[]"}, {}, "not both"),
+        ({"text_input": "   "}, {}, "'text_input' is empty"),
+        ({"text_input": b"\xff\xfe"}, {}, "not valid UTF-8"),
+        ({"text_input": "a", "sampling_parameters": "{not json"}, {}, "'sampling_parameters' is not valid JSON"),
+        ({"text_input": "a", "sampling_parameters": "[1]"}, {}, "must be a JSON object"),
+        ({"text_input": "a"}, {"bogus": 1}, "unknown sampling parameter(s) ['bogus']"),
+        ({"text_input": "a"}, {"temperature": "hot"}, "'temperature' must be a number"),
+        ({"text_input": "a"}, {"max_tokens": 0}, "'max_tokens' must be >= 1"),
+        ({"text_input": "a"}, {"max_tokens": -5}, "'max_tokens' must be >= 1"),
+        ({"text_input": "a"}, {"max_tokens": 1.5}, "'max_tokens' must be an integer"),
+        ({"text_input": "a"}, {"temperature": -0.1}, "'temperature' must be >= 0"),
+        ({"text_input": "a"}, {"top_p": 0}, "'top_p' must be in (0, 1]"),
+        ({"text_input": "a"}, {"top_p": 1.5}, "'top_p' must be in (0, 1]"),
+        ({"text_input": "a"}, {"n": 99}, "'n' must be between 1 and 8"),
+        ({"text_input": "a"}, {"stop": 5}, "'stop' must be a string or a list"),
+        ({"text_input": "a"}, {"ignore_eos": "maybe"}, "'ignore_eos' must be true or false"),
+        ({"text_input": "a"}, {"temperature": "nan"}, "finite"),
+        ({"text_input": "a"}, {"stream": "yes"}, "'stream' must be true or false"),
+        ({"text_input": "a"}, {"json_schema": "{}", "regex": "a+"}, "one kind of structured output"),
+        ({"text_input": "a"}, {"choice": []}, "'choice' must be a non-empty list"),
+        ({"messages": "{\"role\": \"user\"}"}, {}, "must be a non-empty JSON list"),
+        ({"messages": "[]"}, {}, "must be a non-empty JSON list"),
+        ({"messages": "[\"hi\"]"}, {}, "messages[0] must be an object"),
+        ({"messages": "[{\"role\": \"king\", \"content\": \"x\"}]"}, {}, "messages[0].role must be one of"),
+        ({"messages": "[{\"role\": \"user\", \"content\": 3}]"}, {}, "messages[0].content must be a string"),
+        ({"messages": "[{\"role\": \"user\", \"text\": \"x\"}]"}, {}, "unknown key(s) ['text']"),
+        ({"messages": "[{\"role\": \"user\", \"content\": \"\"}]"}, {}, "every message is empty"),
+        ({"messages": "[{\"role\": \"user\""}, {}, "'messages' is not valid JSON"),
+    ],
+)
+def test_bad_input_names_the_problem(inputs, params, needle):
+    with pytest.raises(RequestError) as err:
+        parse(params, **inputs)
+    assert needle in str(err.value)
+
+
+def test_wrong_shape_is_refused():
+    with pytest.raises(RequestError, match="exactly one element"):
+        parse_request({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, None, S)
+
+
+def test_non_bool_tensor_for_bool_input():
+    with pytest.raises(RequestError, match="'stream' must be a BOOL"):
+        parse_request({"text_input": arr("a"), "stream": np.array([1], dtype=np.int32)}, None, S)
+
+
+def test_max_n_comes_from_settings():
+    job = parse_request({"text_input": arr("a")}, json.dumps({"n": 3}), BackendSettings(max_n=3))
+    assert job.sampling["n"] == 3
+    with pytest.raises(RequestError, match="between 1 and 2"):
+        parse_request({"text_input": arr("a")}, json.dumps({"n": 3}), BackendSettings(max_n=2))
+
+
+def test_too_many_messages():
+    with pytest.raises(RequestError, match="at most 1024"):
+        parse_messages(json.dumps([{"role": "user", "content": "x"}] * 1025))
