@@ -42,3 +42,15 @@ def test_load_errors_name_the_file(tmp_path: Path):
         load_model_config(tmp_path / "model.json")
     (tmp_path / "model.json").write_text(json.dumps({"model": "/m"}))
     assert load_model_config(tmp_path / "model.json").engine_args == {"model": "/m"}
+
+
+def test_engine_args_unknown_key_and_nested_config():
+    from llmhost.backend.engine import build_engine_args
+
+    with pytest.raises(ConfigError, match="'max_model_length' is not a vLLM engine argument"):
+        build_engine_args({"model": "/m", "max_model_length": 5})
+    args = build_engine_args({"model": "/m", "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}})
+    assert args.structured_outputs_config.disable_any_whitespace is True
+    assert args.disable_log_stats is True  # our server default
+    with pytest.raises(ConfigError, match="bad 'structured_outputs_config'"):
+        build_engine_args({"model": "/m", "structured_outputs_config": {"nope": 1}})

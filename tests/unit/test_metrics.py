@@ -66,7 +66,7 @@ class FakeFamily:
         self.name, self.kind, self.metrics = name, kind, []
         FakeFamily.made[name] = self
 
-    def Metric(self, labels: dict[str, str]) -> FakeMetric:  # noqa: N802 - pb_utils' name
+    def Metric(self, labels: dict[str, str]) -> FakeMetric:
         m = FakeMetric(labels)
         self.metrics.append(m)
         return m

@@ -52,6 +52,31 @@ class Active:
     last_check: float = field(default_factory=time.monotonic)
 
 
+def build_engine_args(raw: dict[str, Any]) -> Any:
+    """AsyncEngineArgs from model.json; nested config objects may be given as JSON objects."""
+    import dataclasses
+
+    from vllm import AsyncEngineArgs
+
+    from llmhost.backend.config import ConfigError
+
+    known = {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
+    args: dict[str, Any] = {}
+    for key, value in {**ENGINE_DEFAULTS, **raw}.items():
+        f = known.get(key)
+        if f is None:
+            raise ConfigError(f"model.json: '{key}' is not a vLLM engine argument")
+        if isinstance(value, dict):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if dataclasses.is_dataclass(default):
+                try:
+                    value = type(default)(**value)
+                except (TypeError, ValueError) as exc:
+                    raise ConfigError(f"model.json: bad '{key}': {exc}") from None
+        args[key] = value
+    return AsyncEngineArgs(**args)
+
+
 class EngineRunner:
     def __init__(self, config: ModelConfig, metrics: ServingMetrics, log: Callable[[str], None]) -> None:
         self.config = config
@@ -90,14 +115,13 @@ class EngineRunner:
         self.accepting = True
 
     async def _main(self, ready: threading.Event, failure: list[BaseException]) -> None:
-        from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from llmhost.backend.stats import stat_logger_factory
 
         self._stop = asyncio.Event()
         try:
-            args = AsyncEngineArgs(**{**ENGINE_DEFAULTS, **self.config.engine_args})
+            args = build_engine_args(self.config.engine_args)
             self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self.metrics)])
             self._tokenizer = self._engine.get_tokenizer()
             self._max_model_len = int(self._engine.model_config.max_model_len)

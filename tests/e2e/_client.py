@@ -1,0 +1,73 @@
+"""Small clients for the tests: HTTP generate / generate_stream and gRPC streaming."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from typing import Any
+
+import numpy as np
+import requests
+import tritonclient.grpc as grpcclient
+
+from llmhost.smoke import parse_sse
+from tests.e2e._server import Server
+
+
+def generate(server: Server, **body: Any) -> dict[str, Any]:
+    r = requests.post(f"{server.http}/v2/models/{server.name}/generate", json=body, timeout=120)
+    data = r.json()
+    data["_status"] = r.status_code
+    return data
+
+
+def stream(server: Server, **body: Any) -> list[dict[str, Any]]:
+    body.setdefault("stream", True)
+    with requests.post(f"{server.http}/v2/models/{server.name}/generate_stream", json=body, stream=True,
+                       timeout=120) as r:
+        assert r.status_code == 200, r.text
+        return parse_sse([ln for ln in r.iter_lines(decode_unicode=True) if ln])
+
+
+def grpc_stream(server: Server, inputs: dict[str, Any], params: dict[str, Any] | None = None,
+                timeout_s: float = 60) -> tuple[list[Any], str | None]:
+    """Send one streaming request; return (results, error message or None)."""
+    results: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc)
+    out: list[Any] = []
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        tensors = []
+        for name, value in inputs.items():
+            if isinstance(value, bool):
+                t = grpcclient.InferInput(name, [1], "BOOL")
+                t.set_data_from_numpy(np.array([value], dtype=np.bool_))
+            else:
+                raw = value if isinstance(value, bytes) else str(value).encode()
+                t = grpcclient.InferInput(name, [1], "BYTES")
+                t.set_data_from_numpy(np.array([raw], dtype=np.object_))
+            tensors.append(t)
+        client.async_stream_infer(server.name, tensors, parameters=params or None, enable_empty_final_response=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            if error is not None:
+                return out, str(error)
+            resp = result.get_response()
+            final = resp.parameters.get("triton_final_response")
+            if result.as_numpy("text_output") is not None:
+                out.append(result)
+            if final is not None and final.bool_param:
+                return out, None
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def texts(result: Any) -> list[str]:
+    return [t.decode() for t in result.as_numpy("text_output")]
+
+
+def sampling(**kw: Any) -> str:
+    return json.dumps(kw)

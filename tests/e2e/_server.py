@@ -1,0 +1,103 @@
+"""Start and stop a real `llmhost serve` (tritonserver + our backend + vLLM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import requests
+
+from tests.conftest import free_port
+
+READY_TIMEOUT_S = 300
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    name: str
+    http: str
+    grpc: str
+    metrics: str
+    log: Path
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def metric(self, series: str, **labels: str) -> float:
+        """Sum of a series on /metrics for this model (0 when absent)."""
+        want = {"model": self.name, **labels}
+        total = 0.0
+        for line in requests.get(f"{self.metrics}/metrics", timeout=10).text.splitlines():
+            if not line.startswith(series + "{"):
+                continue
+            label_text, value = line[len(series) + 1:].rsplit("} ", 1)
+            got = dict(part.split("=", 1) for part in label_text.split(","))
+            if all(got.get(k) == f'"{v}"' for k, v in want.items()):
+                total += float(value)
+        return total
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout_s)
+
+
+def start_server(model: Path, workdir: Path, name: str = "tiny", extra: list[str] | None = None) -> Server:
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "serve.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir))
+    cmd = [
+        str(Path(sys.executable).parent / "llmhost"), "serve", "--model", str(model), "--name", name,
+        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+        "--workdir", str(workdir / "triton"), "--device", "cpu", "--max-model-len", "512",
+        "--drain-timeout", "20",
+        # Structured output without free whitespace, so a random model finishes JSON.
+        "--engine-arg", 'structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": true}', *(extra or []),
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Server(proc, name, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}", log)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llmhost serve exited with {proc.returncode}:\n{server.log_tail()}")
+        try:
+            if requests.get(f"{server.http}/v2/models/{name}/ready", timeout=2).status_code == 200:
+                return server
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    server.stop(signal.SIGKILL)
+    raise RuntimeError(f"server not ready after {READY_TIMEOUT_S}s:\n{server.log_tail()}")
+
+
+def wait_gone(procs: list[psutil.Process], timeout_s: float = 30) -> list[psutil.Process]:
+    """Processes (of those given) still alive after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    alive = procs
+    while time.monotonic() < deadline:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive:
+            return []
+        time.sleep(0.5)
+    return alive

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e._server import Server, start_server, wait_gone
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(tiny_model, tmp_path_factory.mktemp("serve"))
+    yield srv
+    kids = srv.descendants()
+    srv.stop()
+    left = wait_gone(kids)
+    assert not left, f"processes left after SIGTERM: {[p.pid for p in left]}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "/e2e/" in str(item.path):
+            item.add_marker(pytest.mark.e2e)
