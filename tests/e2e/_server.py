@@ -66,7 +66,8 @@ def start_server(model: Path, workdir: Path, name: str = "tiny", extra: list[str
         "--workdir", str(workdir / "triton"), "--device", "cpu", "--max-model-len", "512",
         "--drain-timeout", "20",
         # Structured output without free whitespace, so a random model finishes JSON.
-        "--engine-arg", 'structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": true}', *(extra or []),
+        "--engine-arg", 'structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": true}',
+        *(extra or []),
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -49,7 +49,8 @@ def test_engine_args_unknown_key_and_nested_config():
 
     with pytest.raises(ConfigError, match="'max_model_length' is not a vLLM engine argument"):
         build_engine_args({"model": "/m", "max_model_length": 5})
-    args = build_engine_args({"model": "/m", "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}})
+    nested = {"backend": "xgrammar", "disable_any_whitespace": True}
+    args = build_engine_args({"model": "/m", "structured_outputs_config": nested})
     assert args.structured_outputs_config.disable_any_whitespace is True
     assert args.disable_log_stats is True  # our server default
     with pytest.raises(ConfigError, match="bad 'structured_outputs_config'"):

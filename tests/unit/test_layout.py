@@ -26,7 +26,7 @@ def test_backend_dir_from_bundled_triton(tmp_path: Path):
 
 
 def test_missing_stub_is_named():
-    with pytest.raises(LayoutError, match="no python backend stub for Python 2.7"):
+    with pytest.raises(LayoutError, match=r"no python backend stub for Python 2\.7"):
         TritonInstall.from_pytriton("2.7")
 
 

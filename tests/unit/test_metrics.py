@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from llmhost.backend.metrics import SPECS, ServingMetrics, TritonExporter, series_names
 
@@ -60,7 +60,7 @@ class FakeMetric:
 
 class FakeFamily:
     COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
-    made: dict[str, FakeFamily] = {}
+    made: ClassVar[dict[str, FakeFamily]] = {}
 
     def __init__(self, name: str, description: str, kind: str) -> None:
         self.name, self.kind, self.metrics = name, kind, []
@@ -89,7 +89,7 @@ def test_exporter_families_match_readme_list_and_apply_deltas():
     exp.apply(m.deltas())
     failed = {x.labels["reason"]: x.value for x in FakeFamily.made["vllm:request_failed_total"].metrics}
     assert failed == {"invalid_request": 1.0, "engine_error": 0.0, "shutting_down": 0.0}
-    inf = [x for x in bucket_family.metrics if x.labels["le"] == "+Inf"][0]
+    inf = next(x for x in bucket_family.metrics if x.labels["le"] == "+Inf")
     assert inf.value == 1 and inf.labels["model"] == "tiny"
 
 
