@@ -1,0 +1,59 @@
+"""Clean shutdown: in-flight streams drain on SIGTERM, and no tritonserver, stub,
+EngineCore or Worker process survives SIGTERM of `llmhost serve` or SIGKILL of
+its tritonserver."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.e2e._client import stream
+from tests.e2e._server import start_server, wait_gone
+
+
+def _names(procs: list[psutil.Process]) -> set[str]:
+    out = set()
+    for p in procs:
+        try:
+            out.add(p.name())
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: Path):
+    srv = start_server(tiny_model, tmp_path)
+    kids = srv.descendants()
+    names = " ".join(_names(kids))
+    assert "tritonserver" in names and "EngineCore" in names, names
+    results: list[list[dict]] = []
+
+    def client() -> None:
+        results.append(stream(srv, text_input="def main():", max_tokens=300, ignore_eos=True,
+                              return_num_output_tokens=True))
+
+    t = threading.Thread(target=client)
+    t.start()
+    time.sleep(2.0)  # the stream is under way
+    rc = srv.stop(signal.SIGTERM)
+    t.join(timeout=60)
+    assert rc == 0, srv.log_tail()
+    assert results and results[0][-1]["num_output_tokens"] == 300, "the in-flight stream was cut short"
+    left = wait_gone(kids, timeout_s=30)
+    assert not left, f"left behind: {_names(left)}"
+
+
+def test_sigkill_of_tritonserver_leaves_nothing(tiny_model: Path, tmp_path: Path):
+    srv = start_server(tiny_model, tmp_path)
+    kids = srv.descendants()
+    triton = next(p for p in kids if p.name() == "tritonserver")
+    triton.send_signal(signal.SIGKILL)
+    rc = srv.proc.wait(timeout=60)
+    assert rc != 0  # serve reports the crash
+    left = wait_gone(kids, timeout_s=30)
+    assert not left, f"left behind: {_names(left)}"
+    assert "reaped" in srv.log_tail(5)
