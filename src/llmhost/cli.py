@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--max-tokens", type=int, default=16)
     k.add_argument("--timeout", type=float, default=60.0)
     k.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    k.add_argument("--textfile", metavar="PATH",
+                   help="also write the result as node_exporter textfile metrics to PATH (*.prom)")
     return p
 
 
@@ -103,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         grpc = None if args.no_grpc else (args.grpc_url or _default_grpc(args.url))
         checks = Smoke(args.url, args.metrics_url, grpc, args.model, args.max_tokens, args.timeout).run()
         print(render(checks, args.json))
+        if args.textfile:
+            from llmhost.smoke import write_textfile
+
+            write_textfile(checks, args.textfile, args.model)
         return 0 if all(c.ok for c in checks) else 1
     return 2
 

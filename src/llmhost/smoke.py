@@ -184,6 +184,24 @@ class Smoke:
         return checks
 
 
+def write_textfile(checks: list[Check], path: str, model: str) -> None:
+    """The probe's result as node_exporter textfile-collector metrics (atomic write)."""
+    from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+
+    reg = CollectorRegistry()
+    ok = Gauge("llmhost_smoke_success", "1 if every smoke check passed.", ["model"], registry=reg)
+    per = Gauge("llmhost_smoke_check_success", "1 if this smoke check passed.", ["model", "check"], registry=reg)
+    took = Gauge("llmhost_smoke_duration_seconds", "Time the whole smoke probe took.", ["model"], registry=reg)
+    last = Gauge("llmhost_smoke_last_run_timestamp_seconds", "When the smoke probe last ran.", ["model"],
+                 registry=reg)
+    ok.labels(model).set(1 if checks and all(c.ok for c in checks) else 0)
+    for c in checks:
+        per.labels(model, c.name).set(1 if c.ok else 0)
+    took.labels(model).set(sum(c.seconds for c in checks))
+    last.labels(model).set(time.time())
+    write_to_textfile(path, reg)
+
+
 def render(checks: list[Check], as_json: bool) -> str:
     if as_json:
         return json.dumps({"ok": all(c.ok for c in checks), "checks": [asdict(c) for c in checks]}, indent=2)

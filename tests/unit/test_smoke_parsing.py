@@ -27,3 +27,27 @@ def test_render_names_failures():
     out = render([Check("generate", True, "16 tokens", 0.1), Check("metrics", False, "missing", 0.0)], False)
     assert "FAILED: metrics" in out
     assert '"ok": false' in render([Check("x", False, "d", 0.0)], True)
+
+
+def test_textfile_metrics(tmp_path):
+    from llmhost.smoke import write_textfile
+
+    path = tmp_path / "llmhost_smoke.prom"
+    write_textfile([Check("generate", True, "ok", 0.5), Check("metrics", False, "missing", 0.25)], str(path), "tiny")
+    text = path.read_text()
+    assert 'llmhost_smoke_success{model="tiny"} 0.0' in text
+    assert 'llmhost_smoke_check_success{check="generate",model="tiny"} 1.0' in text
+    assert 'llmhost_smoke_check_success{check="metrics",model="tiny"} 0.0' in text
+    assert 'llmhost_smoke_duration_seconds{model="tiny"} 0.75' in text
+    assert "llmhost_smoke_last_run_timestamp_seconds" in text
+
+
+def test_smoke_cli_against_nothing_fails_and_writes_textfile(tmp_path):
+    from llmhost.cli import main
+    from tests.conftest import free_port
+
+    path = tmp_path / "s.prom"
+    rc = main(["smoke", "--url", f"http://127.0.0.1:{free_port()}", "--no-grpc", "--model", "m",
+               "--timeout", "2", "--textfile", str(path)])
+    assert rc == 1
+    assert 'llmhost_smoke_check_success{check="server live",model="m"} 0.0' in path.read_text()
