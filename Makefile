@@ -19,7 +19,7 @@ help:
 $(VENV)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[cpu,test]'
+	$(PIP) install -q -e '.[cpu,test,bench]'
 	$(PIP) install -q -e '.[triton]'
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(PY) -c "import vllm, pytriton, tritonclient.grpc, llmhost.backend.model" 

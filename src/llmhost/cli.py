@@ -62,7 +62,73 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="print JSON instead of a table")
     k.add_argument("--textfile", metavar="PATH",
                    help="also write the result as node_exporter textfile metrics to PATH (*.prom)")
+    b = sub.add_parser("bench", help="streaming load test with a concurrency sweep")
+    b.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="Triton HTTP URL, Triton gRPC HOST:PORT (--kind grpc) or an OpenAI-compatible base URL")
+    b.add_argument("--kind", choices=("http", "grpc", "openai"), default="http")
+    b.add_argument("--model", default="model")
+    b.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64],
+                   help="comma-separated levels (default 1,2,4,8,16,32,64)")
+    g = b.add_mutually_exclusive_group()
+    g.add_argument("--requests", type=int, default=64, help="requests per level (default 64)")
+    g.add_argument("--duration", type=float, help="seconds per level instead of a request count")
+    b.add_argument("--prompt-words", type=_range, default=(64, 64), metavar="N[-M]")
+    b.add_argument("--output-tokens", type=_range, default=(128, 128), metavar="N[-M]")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS")
+    b.add_argument("--json", type=Path, help="write results as JSON")
+    b.add_argument("--plot", type=Path, help="draw throughput and latency vs concurrency (PNG)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"levels must be >= 1, got {text!r}")
+    return values
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or N-M, got {text!r}") from None
+    if a < 1 or b < a:
+        raise argparse.ArgumentTypeError(f"expected 1 <= N <= M, got {text!r}")
+    return a, b
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import asyncio
+    import platform
+    import time
+
+    from llmhost.bench import Target, Workload, plot, sweep, table, write_json
+
+    if args.requests is not None and args.requests < 1:
+        print("llmhost bench: --requests must be >= 1", file=sys.stderr)
+        return 2
+    workload = Workload(
+        requests=args.requests, duration_s=args.duration,
+        prompt_words=args.prompt_words[0], prompt_words_max=args.prompt_words[1],
+        output_tokens=args.output_tokens[0], output_tokens_max=args.output_tokens[1],
+        seed=args.seed, ignore_eos=not args.no_ignore_eos,
+    )
+    target = Target(args.kind, args.url, args.model)
+    results = asyncio.run(sweep(target, workload, args.concurrency, progress=not args.quiet))
+    print(table(results))
+    meta = {"kind": args.kind, "url": args.url, "model": args.model, "workload": workload.__dict__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node()}
+    if args.json:
+        write_json(results, args.json, meta)
+    if args.plot:
+        plot({f"{args.kind} {args.model}": results}, args.plot, f"llmhost bench: {args.url}")
+    return 1 if all(r.errors == r.requests for r in results) else 0
 
 
 def _default_grpc(url: str) -> str:
@@ -110,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
 
             write_textfile(checks, args.textfile, args.model)
         return 0 if all(c.ok for c in checks) else 1
+    if args.command == "bench":
+        return _bench(args)
     return 2
 
 

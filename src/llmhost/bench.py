@@ -1,0 +1,301 @@
+"""`llmhost bench`: a streaming load generator with a concurrency sweep.
+
+Targets: our Triton endpoint over HTTP SSE (`/generate_stream`) or gRPC streaming,
+and any OpenAI-compatible server (`/v1/completions`, e.g. vLLM's own) for
+side-by-side runs. Output tokens are counted from what the server reports
+(`num_output_tokens`, or OpenAI's `usage.completion_tokens`), never from events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+WORDS = ("def", "return", "self", "import", "class", "for", "in", "if", "else", "value", "data", "list",
+         "print", "range", "while", "True", "None", "yield", "lambda", "with", "open", "file", "path")
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int = 64
+    duration_s: float | None = None
+    prompt_words: int = 64
+    prompt_words_max: int | None = None
+    output_tokens: int = 128
+    output_tokens_max: int | None = None
+    seed: int = 0
+    ignore_eos: bool = True
+
+    def items(self, n: int) -> list[tuple[str, int]]:
+        rng = random.Random(self.seed)
+        out = []
+        for _ in range(n):
+            words = rng.randint(self.prompt_words, self.prompt_words_max or self.prompt_words)
+            tokens = rng.randint(self.output_tokens, self.output_tokens_max or self.output_tokens)
+            out.append((" ".join(rng.choice(WORDS) for _ in range(words)), tokens))
+        return out
+
+
+@dataclass
+class Sample:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    tokens: int = 0
+    error: str = ""
+
+    @property
+    def itl(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.tokens - 1) if self.ok and self.tokens > 1 else None
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    requests: int
+    errors: int
+    duration_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_s: dict[str, float] = field(default_factory=dict)
+    itl_s: dict[str, float] = field(default_factory=dict)
+    e2e_s: dict[str, float] = field(default_factory=dict)
+    first_error: str = ""
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    values = sorted(values)
+
+    def q(p: float) -> float:
+        k = (len(values) - 1) * p
+        lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+        return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+    return {"p50": q(0.5), "p95": q(0.95), "p99": q(0.99), "mean": statistics.fmean(values)}
+
+
+class Target:
+    """One kind of endpoint; ``one`` sends a streaming request and times it."""
+
+    def __init__(self, kind: str, url: str, model: str) -> None:
+        self.kind, self.url, self.model = kind, url.rstrip("/"), model
+        self._session: Any = None
+        self._grpc: Any = None
+
+    async def open(self) -> None:
+        if self.kind == "grpc":
+            import tritonclient.grpc.aio as grpcaio
+
+            self._grpc = grpcaio.InferenceServerClient(self.url)
+        else:
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        if self._grpc is not None:
+            await self._grpc.close()
+
+    async def one(self, prompt: str, max_tokens: int, ignore_eos: bool) -> Sample:
+        t0 = time.perf_counter()
+        try:
+            if self.kind == "grpc":
+                return await self._grpc_one(t0, prompt, max_tokens, ignore_eos)
+            return await self._http_one(t0, prompt, max_tokens, ignore_eos)
+        except Exception as exc:  # noqa: BLE001 - every failure is a counted error
+            return Sample(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+
+    async def _http_one(self, t0: float, prompt: str, max_tokens: int, ignore_eos: bool) -> Sample:
+        if self.kind == "openai":
+            url = f"{self.url}/v1/completions"
+            body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                                    "stream": True, "ignore_eos": ignore_eos, "temperature": 1.0,
+                                    "stream_options": {"include_usage": True}}
+        else:
+            url = f"{self.url}/v2/models/{self.model}/generate_stream"
+            body = {"text_input": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": ignore_eos,
+                    "temperature": 1.0, "return_num_output_tokens": True}
+        ttft = 0.0
+        tokens = 0
+        async with self._session.post(url, json=body) as resp:
+            if resp.status != 200:
+                return Sample(ok=False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    break
+                event = json.loads(payload)
+                if "error" in event:
+                    return Sample(ok=False, error=str(event["error"])[:300])
+                if not ttft:
+                    ttft = time.perf_counter() - t0
+                if self.kind == "openai":
+                    usage = event.get("usage")
+                    if usage:
+                        tokens = int(usage["completion_tokens"])
+                else:
+                    counts = event.get("num_output_tokens")
+                    if counts is not None:
+                        tokens = int(counts if isinstance(counts, int) else sum(counts))
+        return Sample(ok=tokens > 0, ttft=ttft, e2e=time.perf_counter() - t0, tokens=tokens,
+                      error="" if tokens > 0 else "server reported no output tokens")
+
+    async def _grpc_one(self, t0: float, prompt: str, max_tokens: int, ignore_eos: bool) -> Sample:
+        import numpy as np
+        import tritonclient.grpc.aio as grpcaio
+
+        def make_inputs() -> list[Any]:
+            values = (("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+                      ("stream", np.array([True]), "BOOL"),
+                      ("return_num_output_tokens", np.array([True]), "BOOL"))
+            out = []
+            for name, arr, dtype in values:
+                t = grpcaio.InferInput(name, [1], dtype)
+                t.set_data_from_numpy(arr)
+                out.append(t)
+            return out
+
+        async def requests_iter() -> Any:
+            yield {"model_name": self.model, "inputs": make_inputs(), "request_id": str(id(t0)),
+                   "parameters": {"max_tokens": max_tokens, "ignore_eos": ignore_eos, "temperature": 1.0}}
+
+        ttft = 0.0
+        tokens = 0
+        async for result, error in self._grpc.stream_infer(requests_iter()):
+            if error is not None:
+                return Sample(ok=False, error=str(error)[:300])
+            if not ttft:
+                ttft = time.perf_counter() - t0
+            counts = result.as_numpy("num_output_tokens")
+            if counts is not None:
+                tokens = int(counts.sum())
+        return Sample(ok=tokens > 0, ttft=ttft, e2e=time.perf_counter() - t0, tokens=tokens)
+
+
+async def run_level(target: Target, workload: Workload, concurrency: int, progress: bool = True) -> LevelResult:
+    total = workload.requests if workload.duration_s is None else 10**9
+    items = workload.items(min(total, 100_000))
+    samples: list[Sample] = []
+    next_index = 0
+    t0 = time.perf_counter()
+    deadline = t0 + workload.duration_s if workload.duration_s else None
+
+    async def worker() -> None:
+        nonlocal next_index
+        while True:
+            if deadline is not None and time.perf_counter() >= deadline:
+                return
+            if deadline is None and next_index >= workload.requests:
+                return
+            prompt, max_tokens = items[next_index % len(items)]
+            next_index += 1
+            samples.append(await target.one(prompt, max_tokens, workload.ignore_eos))
+            if progress:
+                _progress(concurrency, len(samples), workload.requests if deadline is None else None,
+                          time.perf_counter() - t0)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    if progress:
+        print(file=sys.stderr)
+    good = [s for s in samples if s.ok]
+    errors = [s for s in samples if not s.ok]
+    return LevelResult(
+        concurrency=concurrency,
+        requests=len(samples),
+        errors=len(errors),
+        duration_s=elapsed,
+        requests_per_s=len(good) / elapsed,
+        output_tokens_per_s=sum(s.tokens for s in good) / elapsed,
+        ttft_s=percentiles([s.ttft for s in good]),
+        itl_s=percentiles([v for s in good if (v := s.itl) is not None]),
+        e2e_s=percentiles([s.e2e for s in good]),
+        first_error=errors[0].error if errors else "",
+    )
+
+
+def _progress(concurrency: int, done: int, total: int | None, elapsed: float) -> None:
+    if total:
+        width = 30
+        filled = int(width * done / total)
+        bar = "#" * filled + "-" * (width - filled)
+        print(f"\r  c={concurrency:<3} [{bar}] {done}/{total} {elapsed:6.1f}s", end="", file=sys.stderr)
+    else:
+        print(f"\r  c={concurrency:<3} {done} requests {elapsed:6.1f}s", end="", file=sys.stderr)
+
+
+async def sweep(target: Target, workload: Workload, levels: list[int], progress: bool = True) -> list[LevelResult]:
+    await target.open()
+    try:
+        # One short warm-up request so the first level does not pay for it.
+        await target.one("def warm_up():", 4, True)
+        return [await run_level(target, workload, c, progress) for c in levels]
+    finally:
+        await target.close()
+
+
+def table(results: list[LevelResult]) -> str:
+    head = (f"{'conc':>4} {'reqs':>5} {'err':>4} {'req/s':>7} {'out tok/s':>10} "
+            f"{'TTFT p50':>9} {'p95':>7} {'p99':>7} {'ITL p50':>8} {'p95':>7} {'E2E p50':>8} {'p95':>7} {'p99':>7}")
+    rows = [head]
+    for r in results:
+        def ms(d: dict[str, float], k: str) -> str:
+            return f"{d[k] * 1000:.0f}ms" if k in d else "-"
+
+        rows.append(
+            f"{r.concurrency:>4} {r.requests:>5} {r.errors:>4} {r.requests_per_s:>7.2f} {r.output_tokens_per_s:>10.1f} "
+            f"{ms(r.ttft_s, 'p50'):>9} {ms(r.ttft_s, 'p95'):>7} {ms(r.ttft_s, 'p99'):>7} "
+            f"{ms(r.itl_s, 'p50'):>8} {ms(r.itl_s, 'p95'):>7} "
+            f"{ms(r.e2e_s, 'p50'):>8} {ms(r.e2e_s, 'p95'):>7} {ms(r.e2e_s, 'p99'):>7}"
+        )
+    errors = [f"c={r.concurrency}: {r.first_error}" for r in results if r.first_error]
+    if errors:
+        rows.append("first errors: " + "; ".join(errors))
+    return "\n".join(rows)
+
+
+def write_json(results: list[LevelResult], path: Path, meta: dict[str, Any]) -> None:
+    path.write_text(json.dumps({"meta": meta, "levels": [asdict(r) for r in results]}, indent=2) + "\n")
+
+
+def plot(series: dict[str, list[LevelResult]], path: Path, title: str) -> None:
+    """Throughput and latency against concurrency, one line per labelled run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, results in series.items():
+        xs = [r.concurrency for r in results]
+        a.plot(xs, [r.output_tokens_per_s for r in results], marker="o", label=label)
+        b.plot(xs, [r.ttft_s.get("p50", float("nan")) * 1000 for r in results], marker="o", label=f"{label} TTFT p50")
+        b.plot(xs, [r.e2e_s.get("p95", float("nan")) * 1000 for r in results], marker="x", linestyle="--",
+               label=f"{label} E2E p95")
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    a.set_ylabel("output tokens/s")
+    b.set_ylabel("ms")
+    b.set_yscale("log")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
