@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from llmhost.backend.coalesce import coalesce
 from llmhost.backend.config import ConfigError, load_model_config
 from llmhost.backend.engine import Active, Chunk, EngineRunner
 from llmhost.backend.errors import RequestError
@@ -42,6 +43,7 @@ OUTPUTS: list[dict[str, Any]] = [
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
 ]
 INPUT_NAMES = [i["name"] for i in INPUTS]
+MAX_BATCH = 512  # queue items the I/O thread takes at once
 
 
 def _pb() -> Any:
@@ -99,30 +101,23 @@ class _TritonIO:
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         last_flush = time.monotonic()
         last_poll = time.monotonic()
-        while True:
+        running = True
+        while running:
             try:
-                item = self.q.get(timeout=min(self.interval, self.metrics_s))
+                first = self.q.get(timeout=min(self.interval, self.metrics_s))
             except queue.Empty:
-                item = ("tick", None, None)
-            if item is None:
-                break
-            kind, sink, payload = item
-            try:
-                if kind == "chunk":
-                    sink.sender.send(self._response(pb, sink, payload), flags=final if payload.final else 0)
-                    if payload.final:
-                        self._forget(sink)
-                    else:
-                        self._maybe_check(sink, time.monotonic())
-                elif kind == "error":
-                    sink.sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(payload)),
-                                     flags=final)
-                    self._forget(sink)
-                elif kind == "track" and not sink.done:
-                    self.sinks[payload] = sink
-            except Exception as exc:  # noqa: BLE001 - a dead client must not stop the thread
-                pb.Logger.log_warn(f"[llmhost] sending a response failed: {exc}")
-                self._forget(sink)
+                first = ("tick", None, None)
+            batch = [first]
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(self.q.get_nowait())
+                except queue.Empty:
+                    break
+            if None in batch:
+                running = False
+                batch = batch[:batch.index(None)]
+            for item in coalesce(batch):  # type: ignore[arg-type]
+                self._handle(pb, final, item)
             now = time.monotonic()
             if now - last_poll >= self.interval:
                 # Requests that produced nothing lately (non-streaming ones, long
@@ -135,6 +130,25 @@ class _TritonIO:
                 last_flush = now
         if self.exporter is not None:
             self._flush(pb)
+
+    def _handle(self, pb: Any, final: int, item: tuple[str, Any, Any]) -> None:
+        kind, sink, payload = item
+        try:
+            if kind == "chunk":
+                sink.sender.send(self._response(pb, sink, payload), flags=final if payload.final else 0)
+                if payload.final:
+                    self._forget(sink)
+                else:
+                    self._maybe_check(sink, time.monotonic())
+            elif kind == "error":
+                sink.sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(payload)),
+                                 flags=final)
+                self._forget(sink)
+            elif kind == "track" and not sink.done:
+                self.sinks[payload] = sink
+        except Exception as exc:  # noqa: BLE001 - a dead client must not stop the thread
+            pb.Logger.log_warn(f"[llmhost] sending a response failed: {exc}")
+            self._forget(sink)
 
     def _flush(self, pb: Any) -> None:
         try:
