@@ -45,3 +45,10 @@ clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
 -include mk/*.mk
+
+# Not a test: the Triton path against vLLM's own OpenAI server, alternating, a few
+# rounds; prints the median ratios and writes bench-results/compare.{json,png}.
+bench-compare: setup
+	$(PY) scripts/bench_compare.py
+
+.PHONY: bench-compare
