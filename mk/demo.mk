@@ -1,0 +1,61 @@
+# `make demo`: provision a freshly booted Debian 12 host (systemd-nspawn, see
+# scripts/testhost.py) with site.yml over SSH, exactly as a real server, then
+# smoke-test the Triton endpoint it serves (profile cpu, the tiny model).
+# `make demo-down`: stop the host and remove everything it left.
+#
+# The host shares this machine's network: Triton listens on 127.0.0.1 at the
+# DEMO_*_PORT ports below, sshd on 127.0.0.1:$(DEMO_SSH_PORT).
+
+PYTHON ?= python3
+DEMO_NAME ?= llmhost-demo
+DEMO_SSH_PORT ?= 2222
+DEMO_HTTP_PORT ?= 18000
+DEMO_GRPC_PORT ?= 18001
+DEMO_METRICS_PORT ?= 18002
+DEMO_MODEL ?= tiny
+DEMO_VARS ?= inventory/demo.yml
+DEMO_PLAYBOOK ?= site.yml
+DEMO_ANSIBLE_ARGS ?=
+DEMO_STATE_BASE ?= .cache/testhost/hosts
+DEMO_DIR := $(DEMO_STATE_BASE)/$(DEMO_NAME)
+TESTHOST := $(PYTHON) scripts/testhost.py
+DEMO_URL := http://127.0.0.1:$(DEMO_HTTP_PORT)
+DEMO_PORT_VARS := {"triton_http_port": $(DEMO_HTTP_PORT), "triton_grpc_port": $(DEMO_GRPC_PORT), "triton_metrics_port": $(DEMO_METRICS_PORT)}
+
+.PHONY: demo demo-host demo-provision demo-smoke demo-down
+
+demo: demo-smoke
+	@echo
+	@echo "llmhost demo is up: host $(DEMO_NAME) (Debian 12, systemd), model '$(DEMO_MODEL)' on CPU"
+	@echo "  HTTP     $(DEMO_URL)   (ready: $(DEMO_URL)/v2/health/ready)"
+	@echo "  gRPC     127.0.0.1:$(DEMO_GRPC_PORT)"
+	@echo "  metrics  http://127.0.0.1:$(DEMO_METRICS_PORT)/metrics"
+	@echo "  ssh      ssh -i $$($(TESTHOST) status --name $(DEMO_NAME) --state $(DEMO_STATE_BASE) | $(PYTHON) -c 'import json,sys; print(json.load(sys.stdin)["ssh_key"])') -p $(DEMO_SSH_PORT) -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null root@127.0.0.1"
+	@echo "  shell    $(PYTHON) scripts/testhost.py exec --state $(DEMO_STATE_BASE) --name $(DEMO_NAME) -- systemctl status tritonserver"
+	@echo
+	@echo "Try it:"
+	@echo "  curl -s -X POST $(DEMO_URL)/v2/models/$(DEMO_MODEL)/generate \\"
+	@echo "    -d '{\"text_input\": \"def fibonacci(n):\", \"max_tokens\": 32}'"
+	@echo "  curl -sN -X POST $(DEMO_URL)/v2/models/$(DEMO_MODEL)/generate_stream \\"
+	@echo "    -d '{\"text_input\": \"def fibonacci(n):\", \"max_tokens\": 32, \"stream\": true}'"
+	@echo
+	@echo "Stop it: make demo-down"
+
+# Boot (or reuse) the host; its inventory and the pip variables land in $(DEMO_DIR).
+demo-host:
+	$(TESTHOST) rootfs
+	$(TESTHOST) up --name $(DEMO_NAME) --ssh-port $(DEMO_SSH_PORT) --state $(DEMO_STATE_BASE) --pip-binds
+	$(TESTHOST) pip-config --vars-file $(DEMO_DIR)/pip.yml >/dev/null
+
+demo-provision: setup demo-host
+	@test -f $(DEMO_PLAYBOOK) || { echo "demo: $(DEMO_PLAYBOOK) is missing" >&2; exit 1; }
+	@test -f $(DEMO_VARS) || { echo "demo: $(DEMO_VARS) is missing" >&2; exit 1; }
+	$(VENV)/bin/ansible-playbook -i $(DEMO_DIR)/inventory.yml -i $(DEMO_VARS) \
+	  -e @$(DEMO_DIR)/pip.yml -e '$(DEMO_PORT_VARS)' $(DEMO_ANSIBLE_ARGS) $(DEMO_PLAYBOOK)
+
+demo-smoke: demo-provision
+	$(VENV)/bin/llmhost smoke --url $(DEMO_URL) --grpc-url 127.0.0.1:$(DEMO_GRPC_PORT) \
+	  --metrics-url http://127.0.0.1:$(DEMO_METRICS_PORT) --model $(DEMO_MODEL)
+
+demo-down:
+	$(TESTHOST) down --name $(DEMO_NAME) --state $(DEMO_STATE_BASE)

@@ -1,0 +1,228 @@
+"""A booted Debian 12 host with systemd as PID 1, for the system tests.
+
+Thin, typed wrapper around ``scripts/testhost.py`` (systemd-nspawn + overlayfs,
+sshd on 127.0.0.1:<port>). The system tests drive it the way an operator drives a
+real server: Ansible over SSH with the inventory written here, then checks with
+``exec`` (nsenter) or ``ssh``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TESTHOST = REPO_ROOT / "scripts" / "testhost.py"
+NAME_PREFIX = "llmhost-sys-"
+ROOTFS_TIMEOUT_S = 900.0
+UP_TIMEOUT_S = 300.0
+DOWN_TIMEOUT_S = 120.0
+
+
+class HostError(RuntimeError):
+    """testhost.py failed; the message carries its stderr."""
+
+
+def testhost(*args: str, timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``scripts/testhost.py ARGS`` with this interpreter (it is stdlib-only)."""
+    cmd = [sys.executable, str(TESTHOST), *args]
+    try:
+        proc = subprocess.run(cmd, text=True, capture_output=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        raise HostError(f"timed out after {timeout:.0f}s: {' '.join(cmd)}\n{err}") from exc
+    if check and proc.returncode != 0:
+        raise HostError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stderr ---\n{proc.stderr}\n--- stdout ---\n{proc.stdout}"
+        )
+    return proc
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pip_config() -> dict[str, Any]:
+    """The machine's pip configuration as ``testhost.py pip-config`` reads it."""
+    return dict(json.loads(testhost("pip-config", timeout=60).stdout))
+
+
+def pip_role_vars(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The python_env role's pip variables for this machine's pip configuration."""
+    out: dict[str, Any] = {
+        "python_env_pip_find_links": list(cfg["find_links"]),
+        "python_env_pip_extra_index_urls": list(cfg["extra_index_urls"]),
+    }
+    if cfg.get("index_url"):
+        out["python_env_pip_index_url"] = cfg["index_url"]
+    return out
+
+
+@dataclass
+class BootedHost:
+    """A running test host. ``stop()`` is idempotent."""
+
+    name: str
+    ssh_port: int
+    inventory: Path
+    ssh_key: Path
+    state_dir: Path
+    pid: int
+    leader: int
+    pip_config: dict[str, Any]
+    pip_vars_file: Path
+    stopped: bool = field(default=False, init=False)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, name: str | None = None, ssh_port: int | None = None, attempts: int = 3) -> BootedHost:
+        """Build/reuse the cached rootfs and boot a fresh host; raise HostError on failure."""
+        name = name or f"{NAME_PREFIX}{os.getpid()}"
+        # Hosts left by a test session that was killed (SIGKILL, OOM) before its finalizer ran.
+        testhost("gc", "--prefix", NAME_PREFIX, timeout=DOWN_TIMEOUT_S)
+        testhost("rootfs", timeout=ROOTFS_TIMEOUT_S)
+        cfg = pip_config()
+        try:
+            return cls._boot(name, ssh_port, attempts, cfg)
+        except BaseException:
+            # `up` cleans up after itself, unless it was killed (a timeout, Ctrl-C).
+            testhost("down", "--name", name, timeout=DOWN_TIMEOUT_S, check=False)
+            raise
+
+    @classmethod
+    def _boot(cls, name: str, ssh_port: int | None, attempts: int, cfg: dict[str, Any]) -> BootedHost:
+        last: HostError | None = None
+        for _ in range(attempts):
+            port = ssh_port or free_port()
+            args = ["up", "--name", name, "--ssh-port", str(port), "--owner-pid", str(os.getpid())]
+            for b in cfg["bind"]:
+                args += ["--bind-ro", b]
+            try:
+                info = json.loads(testhost(*args, timeout=UP_TIMEOUT_S).stdout)
+            except HostError as exc:
+                last = exc
+                if ssh_port is None and "is in use" in str(exc):
+                    continue  # lost the race for the free port: take another one
+                raise
+            state_dir = Path(info["state_dir"])
+            vars_file = state_dir / "pip.yml"
+            vars_file.write_text(json.dumps(pip_role_vars(cfg), indent=2) + "\n")
+            return cls(
+                name=info["name"],
+                ssh_port=int(info["ssh_port"]),
+                inventory=Path(info["inventory"]),
+                ssh_key=Path(info["ssh_key"]),
+                state_dir=state_dir,
+                pid=int(info["pid"]),
+                leader=int(info["leader"]),
+                pip_config=cfg,
+                pip_vars_file=vars_file,
+            )
+        assert last is not None
+        raise last
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        testhost("down", "--name", self.name, timeout=DOWN_TIMEOUT_S)
+        self.stopped = True
+
+    def running(self) -> bool:
+        return testhost("status", "--name", self.name, timeout=30, check=False).returncode == 0
+
+    # -- running things inside ---------------------------------------------------------
+
+    def exec(
+        self, cmd: str | Sequence[str], *, timeout: float = 300.0, check: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        """Run CMD inside the host (nsenter into all its namespaces, clean environment).
+
+        A string runs through ``sh -c``. Output is captured as text; the exit status
+        is the command's own.
+        """
+        argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        proc = subprocess.run(
+            [sys.executable, str(TESTHOST), "exec", "--name", self.name, "--", *argv],
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise HostError(f"in {self.name}: {argv} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def ssh(self, cmd: str, *, timeout: float = 300.0, check: bool = False) -> subprocess.CompletedProcess[str]:
+        """Run CMD as root over SSH (the way Ansible reaches the host)."""
+        argv = [
+            "ssh",
+            "-i",
+            str(self.ssh_key),
+            "-p",
+            str(self.ssh_port),
+            *self.ssh_options(),
+            "root@127.0.0.1",
+            cmd,
+        ]
+        proc = subprocess.run(argv, text=True, capture_output=True, timeout=timeout, check=False)
+        if check and proc.returncode != 0:
+            raise HostError(f"ssh {self.name}: {cmd!r} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    # -- Ansible -----------------------------------------------------------------------
+
+    @staticmethod
+    def ssh_options() -> list[str]:
+        return [
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "LogLevel=ERROR",
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "BatchMode=yes",
+        ]
+
+    def host_vars(self) -> dict[str, Any]:
+        """Connection variables of this host (the same as in ``self.inventory``)."""
+        return {
+            "ansible_host": "127.0.0.1",
+            "ansible_port": self.ssh_port,
+            "ansible_user": "root",
+            "ansible_ssh_private_key_file": str(self.ssh_key),
+            "ansible_ssh_common_args": " ".join(self.ssh_options()),
+            "ansible_python_interpreter": "/usr/bin/python3",
+        }
+
+    def write_inventory(
+        self,
+        path: Path,
+        groups: Sequence[str] = (),
+        group_vars: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Write an inventory (YAML) with this host in GROUPS and GROUP_VARS on ``all``."""
+        inv: dict[str, Any] = {"all": {"hosts": {self.name: self.host_vars()}}}
+        if groups:
+            inv["all"]["children"] = {g: {"hosts": {self.name: {}}} for g in groups}
+        if group_vars:
+            inv["all"]["vars"] = dict(group_vars)
+        path.write_text(json.dumps(inv, indent=2) + "\n")  # JSON is YAML
+        return path
+
+    def ansible_args(self) -> list[str]:
+        """``-i <inventory> -e @<pip vars>`` for ansible-playbook against this host."""
+        return ["-i", str(self.inventory), "-e", f"@{self.pip_vars_file}"]
