@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="print JSON instead of a table")
     k.add_argument("--textfile", metavar="PATH",
                    help="also write the result as node_exporter textfile metrics to PATH (*.prom)")
+    for name, (_, _, text) in DELEGATED.items():
+        sub.add_parser(name, help=f"{text} (see llmhost {name} --help)", add_help=False)
     b = sub.add_parser("bench", help="streaming load test with a concurrency sweep")
     b.add_argument("--url", default="http://127.0.0.1:8000",
                    help="Triton HTTP URL, Triton gRPC HOST:PORT (--kind grpc) or an OpenAI-compatible base URL")
@@ -137,7 +139,21 @@ def _default_grpc(url: str) -> str:
     return f"{urlparse(url).hostname or '127.0.0.1'}:8001"
 
 
+# Subcommands with their own argument parsers (stdlib only, so Ansible can also run
+# their modules as plain scripts on a host without the venv).
+DELEGATED = {
+    "gpu-info": ("llmhost.cuda", "main_gpu_info", "detect NVIDIA GPUs and pick the CUDA build of vLLM/PyTorch"),
+    "placement": ("llmhost.placement", "main_placement", "check models' GPU placement (JSON in, JSON out)"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        import importlib
+
+        module, func, _ = DELEGATED[argv[0]]
+        return int(getattr(importlib.import_module(module), func)(argv[1:]))
     args = build_parser().parse_args(argv)
     if args.command == "tiny-model":
         from llmhost.tiny_model import write_tiny_model
