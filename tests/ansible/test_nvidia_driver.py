@@ -308,3 +308,21 @@ def test_argument_specs_cover_every_default():
     for name, value in defaults.items():
         assert options[name]["default"] == value, name
         assert options[name].get("description"), name
+
+
+def test_working_unpackaged_driver_is_adopted_not_overwritten(tmp_path: Path):
+    """Seen on the real H100 (device run 2026-11-22): driver 580.159.04 loaded and working, but
+    installed by no package. The role must not plan to install packages over it, unless told to."""
+    root = tmp_path / "sys"
+    subprocess.run(["sh", "-c", Sysfs(nvidia_version="580.159.04").script(str(root))], check=True)
+    base = {"ansible_connection": "local", "ansible_python_interpreter": "/usr/bin/python3",
+            "nvidia_driver_sysfs_root": str(root), **UBUNTU24, "sim_tasks_from": "preflight.yml"}
+    hosts = {"adopt": base, "replace": {**base, "nvidia_driver_adopt_existing": False}}
+    run_play(write_inventory(tmp_path / "inventory.json", hosts), tmp_path)
+    got = results(tmp_path, ["adopt", "replace"])
+    adopt, replace = got["adopt"]["plan"], got["replace"]["plan"]
+    assert adopt["unmanaged_driver"] is True
+    assert adopt["missing_packages"] == [] and adopt["driver_change"] is False
+    assert adopt["reboot"]["due"] is False
+    assert replace["unmanaged_driver"] is False and replace["driver_change"] is True
+    assert "nvidia-utils-580-server" in replace["missing_packages"]

@@ -377,3 +377,24 @@ def test_constructed_fixtures_follow_the_real_format():
     proc = subprocess.run([sys.executable, str(FIX / "construct.py"), "--check"], capture_output=True,
                           text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_device_run_recording_is_consistent():
+    """What `llmhost gpu-info` printed on the real H100 is what it computes here from that
+    host's recorded nvidia-smi output, and Triton exported GPU metrics for that GPU."""
+    import json
+
+    from llmhost.cuda import choose, detect_from_dir, load_matrix
+
+    run = Path(__file__).parents[1] / "fixtures" / "gpu" / "h100-580.159.04-real"
+    recorded = json.loads((run / "device-run-2026-11-22" / "gpu-info.json").read_text())
+    assert recorded["status"] == "match" and recorded["match"]["tag"] == "cu130"
+    info = detect_from_dir(run)
+    assert info.driver_version == recorded["match"]["driver_version"] == "580.159.04"
+    match = choose(info.cuda_version, info.driver_version, load_matrix())
+    assert match.tag == recorded["match"]["tag"]
+    metrics = (run / "device-run-2026-11-22" / "triton-metrics.txt").read_text()
+    uuid = recorded["detected"]["gpus"][0]["uuid"]
+    for name in ("nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes",
+                 "nv_gpu_power_usage", "nv_gpu_power_limit", "nv_energy_consumption"):
+        assert f'{name}{{gpu_uuid="{uuid}"}}' in metrics, name
