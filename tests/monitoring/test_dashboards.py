@@ -1,0 +1,196 @@
+"""Grafana dashboards: generated from code, valid Grafana dashboard models, and every
+query parses and returns data in a real Prometheus over the recorded expositions."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from types import ModuleType
+
+import pytest
+
+from tests.monitoring._prom import (
+    DASHBOARDS_DIR,
+    FIXTURES,
+    GRAFANA_BUILTINS,
+    MONITORING,
+    PanelQuery,
+    api,
+    dashboards,
+    exposition_names,
+    has_data,
+    metric_names,
+    panel_queries,
+    panels,
+    query,
+    substitute,
+    variables_in,
+)
+from tests.monitoring.conftest import CPU_HOST, GPU_HOST, Replay
+
+# The one panel no recording of ours feeds: dcgm-exporter's GPU temperature.
+NOT_RECORDED = {"DCGM_FI_DEV_GPU_TEMP"}
+QUERIES = panel_queries()
+ALL = {"instance": ".*", "model": ".*"}
+
+
+def builder() -> ModuleType:
+    path = MONITORING / "grafana" / "build_dashboards.py"
+    spec = importlib.util.spec_from_file_location("build_dashboards", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_three_dashboards_with_distinct_uids():
+    ds = dashboards()
+    assert set(ds) == {"llmhost-serving.json", "llmhost-triton.json", "llmhost-host.json"}
+    uids = [d["uid"] for d in ds.values()]
+    assert len(set(uids)) == len(uids)
+
+
+def test_committed_json_is_what_the_builder_writes():
+    rendered = builder().render_all()
+    for name, text in rendered.items():
+        assert (DASHBOARDS_DIR / name).read_text() == text, (
+            f"{name} is out of date: run .venv/bin/python monitoring/grafana/build_dashboards.py")
+
+
+@pytest.mark.parametrize("name", sorted(dashboards()))
+def test_dashboard_is_a_lossless_grafana_dashboard_model(name: str):
+    """grafana-foundation-sdk parses the JSON into its typed model (enums checked, unknown
+    keys dropped); writing the model back must give the same JSON."""
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.cog.plugins import register_default_plugins
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    register_default_plugins()
+    data = json.loads((DASHBOARDS_DIR / name).read_text())
+    again = json.loads(json.dumps(Dashboard.from_json(data), cls=JSONEncoder))
+    assert again == data
+
+
+def test_the_model_check_catches_a_misspelt_field():
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.cog.plugins import register_default_plugins
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    register_default_plugins()
+    data = json.loads((DASHBOARDS_DIR / "llmhost-serving.json").read_text())
+    data["panels"][1]["gridpos"] = data["panels"][1].pop("gridPos")
+    assert json.loads(json.dumps(Dashboard.from_json(data), cls=JSONEncoder)) != data
+
+
+@pytest.mark.parametrize("name", sorted(dashboards()))
+def test_panels_are_complete(name: str):
+    d = dashboards()[name]
+    ids = [p["id"] for p in d["panels"]] + [c["id"] for p in d["panels"] for c in p.get("panels", [])]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    cells: set[tuple[int, int]] = set()
+    for p in d["panels"]:
+        g = p["gridPos"]
+        assert g["w"] >= 1 and g["h"] >= 1 and g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, f"{p['title']} overlaps another panel"
+        cells |= mine
+    body = list(panels(d))
+    assert body
+    for p in body:
+        where = f"{name}: {p['title']}"
+        assert p["title"] and p.get("description"), where
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, where
+        assert p["targets"], where
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)) and all(refs), where
+        for t in p["targets"]:
+            assert t["expr"].strip(), where
+            assert t["datasource"] == p["datasource"], where
+        defaults = p["fieldConfig"]["defaults"]
+        assert defaults.get("unit"), f"{where}: no unit"
+        steps = defaults.get("thresholds", {}).get("steps", [])
+        assert steps and steps[0]["value"] is None, f"{where}: thresholds must start at -Infinity"
+        values = [s["value"] for s in steps[1:]]
+        assert values == sorted(values), f"{where}: thresholds out of order"
+
+
+@pytest.mark.parametrize("name", sorted(dashboards()))
+def test_variables(name: str):
+    d = dashboards()[name]
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert variables["instance"]["type"] == "query" and variables["instance"]["includeAll"]
+    if name != "llmhost-host.json":
+        assert variables["model"]["type"] == "query"
+        assert "$instance" in variables["model"]["query"]
+    for q in (q for q in QUERIES if q.dashboard == name):
+        unknown = variables_in(q.expr) - set(variables) - set(GRAFANA_BUILTINS)
+        assert not unknown, f"{q}: undefined variables {unknown}"
+        assert "$instance" in q.expr, f"{q}: does not follow the host variable"
+
+
+def test_queries_select_metrics_our_exporters_export():
+    known: set[str] = set()
+    for f in FIXTURES.iterdir():
+        known |= exposition_names(f.read_text())
+    for q in QUERIES:
+        unknown = metric_names(q.expr) - known - NOT_RECORDED
+        assert not unknown, f"{q}: selects {unknown}, which no recording in {FIXTURES} has"
+
+
+def test_serving_dashboard_covers_the_issue():
+    titles = {p["title"] for p in panels(dashboards()["llmhost-serving.json"])}
+    for want in ("Requests/s by finish reason", "Failed requests/s by reason", "End-to-end latency",
+                 "Time to first token", "Inter-token latency", "Tokens/s", "Prompt length", "Generation length",
+                 "Running and waiting requests", "KV-cache use", "Finish reasons", "Cancelled requests/s"):
+        assert want in titles
+    exprs = " ".join(q.expr for q in QUERIES if q.dashboard == "llmhost-serving.json")
+    for quantile in ("0.5", "0.9", "0.99"):
+        assert f"histogram_quantile({quantile}, sum by (model, le) (rate(vllm:e2e_request_latency" in exprs
+
+
+@pytest.mark.parametrize("q", QUERIES, ids=str)
+def test_query_returns_data_from_recorded_series(replay: Replay, q: PanelQuery):
+    status, body = query(replay.url, substitute(q.expr, ALL), at=replay.at)
+    assert status == 200, f"{q}\n{body}"
+    if not metric_names(q.expr) & NOT_RECORDED:
+        assert has_data(body), f"{q}: no data\n{body}"
+
+
+@pytest.mark.parametrize("q", [q for q in QUERIES if q.gpu], ids=str)
+def test_gpu_panels_are_empty_but_valid_on_a_cpu_host(replay: Replay, q: PanelQuery):
+    status, body = query(replay.url, substitute(q.expr, {"instance": CPU_HOST, "model": ".*"}), at=replay.at)
+    assert status == 200 and not has_data(body), f"{q}\n{body}"
+
+
+def test_gpu_panels_show_the_gpu_host(replay: Replay):
+    for q in (q for q in QUERIES if q.gpu and not metric_names(q.expr) & NOT_RECORDED):
+        status, body = query(replay.url, substitute(q.expr, {"instance": GPU_HOST, "model": ".*"}), at=replay.at)
+        assert status == 200 and has_data(body), f"{q}\n{body}"
+
+
+def test_a_parse_error_and_an_empty_query_are_caught(replay: Replay):
+    status, body = query(replay.url, "sum(rate(vllm:generation_tokens_total[5m])", at=replay.at)
+    assert status == 400 and body["errorType"] == "bad_data"
+    status, body = query(replay.url, 'vllm:generation_tokens_total{model="no-such-model"}', at=replay.at)
+    assert status == 200 and not has_data(body)
+
+
+def _label_values(replay: Replay, definition: str, values: dict[str, str]) -> set[str]:
+    m = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", definition)
+    assert m, definition
+    status, body = api(replay.url, f"label/{m.group(2)}/values",
+                       {"match[]": substitute(m.group(1), values), "start": str(replay.at - 3600),
+                        "end": str(replay.at)})
+    assert status == 200, body
+    return set(body["data"])
+
+
+def test_variable_queries_list_hosts_and_models(replay: Replay):
+    for name, d in dashboards().items():
+        variables = {v["name"]: v for v in d["templating"]["list"]}
+        assert _label_values(replay, variables["instance"]["query"], ALL) == {CPU_HOST, GPU_HOST}, name
+        if "model" in variables:
+            models = _label_values(replay, variables["model"]["query"], {"instance": CPU_HOST})
+            assert models == {"tiny"}, name

@@ -1,0 +1,106 @@
+"""prometheus.yml as roles/prometheus renders it for an inventory, checked by promtool."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.monitoring._prom import REPO, promtool
+
+PLAYBOOK = Path(__file__).resolve().parent / "render_prometheus.yml"
+ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+
+
+def inventory(tmp_path: Path, hosts: dict[str, dict[str, Any]], monitoring: str) -> Path:
+    inv = {"all": {"children": {
+        "inference": {"hosts": {h: v for h, v in hosts.items() if v.pop("_inference", True)}},
+        "monitoring": {"hosts": {monitoring: {"ansible_connection": "local",
+                                              "ansible_python_interpreter": sys.executable}}},
+    }}}
+    path = tmp_path / "inventory.yml"
+    path.write_text(json.dumps(inv))
+    return path
+
+
+def render(tmp_path: Path, inv: Path, **extra: Any) -> subprocess.CompletedProcess[str]:
+    out = tmp_path / "out"
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    return subprocess.run(
+        [str(ANSIBLE_PLAYBOOK), "-i", str(inv), str(PLAYBOOK), "-e", json.dumps({"out_dir": str(out), **extra})],
+        text=True, capture_output=True, cwd=REPO, env=env, timeout=300, check=False,
+    )
+
+
+def scrape_jobs(config: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """job -> {instance: address}"""
+    return {
+        job["job_name"]: {sc["labels"]["instance"]: sc["targets"][0] for sc in job.get("static_configs", [])
+                          if "labels" in sc}
+        for job in config["scrape_configs"]
+    }
+
+
+def test_cluster_config_is_valid_and_scrapes_every_host(tmp_path: Path):
+    inv = inventory(tmp_path, {
+        "gpu-node-01": {"ansible_host": "10.0.0.11", "llmhost_bind_address": "0.0.0.0"},
+        "gpu-node-02": {"ansible_host": "fd00::12", "llmhost_bind_address": "::", "triton_metrics_port": 9002,
+                        "node_exporter_web_listen_address": "0.0.0.0:9101"},
+        "mon-01": {"llmhost_bind_address": "127.0.0.1", "triton_metrics_port": 18002},
+    }, monitoring="mon-01")
+    r = render(tmp_path, inv, prometheus_dcgm_exporter_enabled=True, prometheus_alertmanagers=["10.0.0.5:9093"],
+               prometheus_external_labels={"site": "lab"}, prometheus_web_listen_address="0.0.0.0:9090",
+               prometheus_scrape_configs_extra=[{"job_name": "haproxy",
+                                                 "static_configs": [{"targets": ["10.0.0.9:8405"]}]}])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    path = tmp_path / "out" / "prometheus.yml"
+    check = promtool("check", "config", path)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "1 rule files found" in check.stdout and "SUCCESS" in check.stdout
+    text = path.read_text()
+    assert text.startswith("#\n# Ansible managed")
+    config = yaml.safe_load(text)
+    assert scrape_jobs(config) == {
+        "prometheus": {"mon-01": "127.0.0.1:9090"},
+        "triton": {"gpu-node-01": "10.0.0.11:8002", "gpu-node-02": "[fd00::12]:9002", "mon-01": "127.0.0.1:18002"},
+        "node": {"gpu-node-01": "10.0.0.11:9100", "gpu-node-02": "[fd00::12]:9101", "mon-01": "127.0.0.1:9100"},
+        "dcgm": {"gpu-node-01": "10.0.0.11:9400", "gpu-node-02": "[fd00::12]:9400", "mon-01": "127.0.0.1:9400"},
+        "haproxy": {},
+    }
+    assert config["global"]["external_labels"] == {"site": "lab"}
+    assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["10.0.0.5:9093"]
+    assert config["rule_files"] == [str(tmp_path / "out" / "rules" / "*.yml")]
+
+
+def test_a_monitoring_host_without_inference_hosts_is_valid(tmp_path: Path):
+    inv = inventory(tmp_path, {}, monitoring="mon-01")
+    r = render(tmp_path, inv)
+    assert r.returncode == 0, r.stdout[-4000:]
+    path = tmp_path / "out" / "prometheus.yml"
+    assert promtool("check", "config", path).returncode == 0
+    assert set(scrape_jobs(yaml.safe_load(path.read_text()))) == {"prometheus", "node"}
+
+
+def test_preflight_names_the_loopback_binding_another_host_has(tmp_path: Path):
+    inv = inventory(tmp_path, {
+        "gpu-node-01": {"ansible_host": "10.0.0.11"},  # llmhost_bind_address defaults to 127.0.0.1
+        "gpu-node-02": {"ansible_host": "10.0.0.12", "llmhost_bind_address": "127.0.0.1",
+                        "prometheus_scrape_address": "10.1.0.12"},
+    }, monitoring="mon-01")
+    r = render(tmp_path, inv, prometheus_node_exporter_groups=["monitoring"])
+    assert r.returncode != 0
+    assert "gpu-node-01 (triton, llmhost_bind_address)" in r.stdout
+    assert "gpu-node-02" not in r.stdout.split("cannot scrape", 1)[1].split("PLAY RECAP")[0]
+    assert not (tmp_path / "out" / "prometheus.yml").exists()
+
+
+def test_preflight_rejects_a_bad_retention(tmp_path: Path):
+    inv = inventory(tmp_path, {}, monitoring="mon-01")
+    r = render(tmp_path, inv, prometheus_retention_time="two weeks")
+    assert r.returncode != 0
+    assert "prometheus_retention_time must be a Prometheus duration" in r.stdout
