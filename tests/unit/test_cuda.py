@@ -398,3 +398,22 @@ def test_device_run_recording_is_consistent():
     for name in ("nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes",
                  "nv_gpu_power_usage", "nv_gpu_power_limit", "nv_energy_consumption"):
         assert f'{name}{{gpu_uuid="{uuid}"}}' in metrics, name
+
+
+def test_device_run_gpu_panels_returned_data():
+    """The GPU panels were run against a real Prometheus on the H100: each over Triton's
+    metrics returned a series, and the recorded queries are still the dashboards' queries."""
+    import json
+
+    from tests.monitoring._prom import panel_queries, substitute
+
+    rec = json.loads((Path(__file__).parents[1] / "fixtures" / "gpu" / "h100-580.159.04-real"
+                      / "device-run-2026-11-22" / "gpu-panels.json").read_text())
+    assert rec["failed"] == []
+    by_expr = {r["expr"]: r for r in rec["results"]}
+    current = [substitute(q.expr, {"instance": "gpu-host", "model": ".*"}) for q in panel_queries() if q.gpu]
+    assert current and set(current) == set(by_expr)
+    for expr, row in by_expr.items():
+        assert row["status"] == 200
+        if "nv_" in expr:
+            assert row["series"] >= 1, expr
