@@ -52,3 +52,9 @@ bench-compare: setup
 	$(PY) scripts/bench_compare.py
 
 .PHONY: bench-compare
+
+# Not part of `make test`: 10 minutes at concurrency 32, prints errors and RSS growth.
+soak: setup
+	$(PY) scripts/soak.py
+
+.PHONY: soak
