@@ -20,7 +20,9 @@ DEMO_STATE_BASE ?= .cache/testhost/hosts
 DEMO_DIR := $(DEMO_STATE_BASE)/$(DEMO_NAME)
 TESTHOST := $(PYTHON) scripts/testhost.py
 DEMO_URL := http://127.0.0.1:$(DEMO_HTTP_PORT)
-DEMO_PORT_VARS := {"triton_http_port": $(DEMO_HTTP_PORT), "triton_grpc_port": $(DEMO_GRPC_PORT), "triton_metrics_port": $(DEMO_METRICS_PORT)}
+DEMO_PROMETHEUS_PORT ?= 19090
+DEMO_NODE_EXPORTER_PORT ?= 19100
+DEMO_PORT_VARS := {"triton_http_port": $(DEMO_HTTP_PORT), "triton_grpc_port": $(DEMO_GRPC_PORT), "triton_metrics_port": $(DEMO_METRICS_PORT), "prometheus_web_listen_address": "127.0.0.1:$(DEMO_PROMETHEUS_PORT)", "node_exporter_web_listen_address": "127.0.0.1:$(DEMO_NODE_EXPORTER_PORT)"}
 
 .PHONY: demo demo-host demo-provision demo-smoke demo-down
 
@@ -30,6 +32,8 @@ demo: demo-smoke
 	@echo "  HTTP     $(DEMO_URL)   (ready: $(DEMO_URL)/v2/health/ready)"
 	@echo "  gRPC     127.0.0.1:$(DEMO_GRPC_PORT)"
 	@echo "  metrics  http://127.0.0.1:$(DEMO_METRICS_PORT)/metrics"
+	@echo "  prometheus http://127.0.0.1:$(DEMO_PROMETHEUS_PORT)   (alerts: /alerts, targets: /targets)"
+	@echo "  grafana  not installed in the demo (no package source here); dashboards staged in the host under /var/lib/llmhost-monitoring/grafana"
 	@echo "  ssh      ssh -i $$($(TESTHOST) status --name $(DEMO_NAME) --state $(DEMO_STATE_BASE) | $(PYTHON) -c 'import json,sys; print(json.load(sys.stdin)["ssh_key"])') -p $(DEMO_SSH_PORT) -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null root@127.0.0.1"
 	@echo "  shell    $(PYTHON) scripts/testhost.py exec --state $(DEMO_STATE_BASE) --name $(DEMO_NAME) -- systemctl status tritonserver"
 	@echo
@@ -44,13 +48,14 @@ demo: demo-smoke
 # Boot (or reuse) the host; its inventory and the pip variables land in $(DEMO_DIR).
 demo-host:
 	$(TESTHOST) rootfs
-	$(TESTHOST) up --name $(DEMO_NAME) --ssh-port $(DEMO_SSH_PORT) --state $(DEMO_STATE_BASE) --pip-binds
+	$(TESTHOST) up --name $(DEMO_NAME) --ssh-port $(DEMO_SSH_PORT) --state $(DEMO_STATE_BASE) --pip-binds \
+	  --group inference --group monitoring
 	$(TESTHOST) pip-config --vars-file $(DEMO_DIR)/pip.yml >/dev/null
 
 demo-provision: setup demo-host
 	@test -f $(DEMO_PLAYBOOK) || { echo "demo: $(DEMO_PLAYBOOK) is missing" >&2; exit 1; }
 	@test -f $(DEMO_VARS) || { echo "demo: $(DEMO_VARS) is missing" >&2; exit 1; }
-	$(VENV)/bin/ansible-playbook -i $(DEMO_DIR)/inventory.yml -i $(DEMO_VARS) \
+	$(VENV)/bin/ansible-playbook -i $(DEMO_DIR)/inventory.yml -e @$(DEMO_VARS) \
 	  -e @$(DEMO_DIR)/pip.yml -e '$(DEMO_PORT_VARS)' $(DEMO_ANSIBLE_ARGS) $(DEMO_PLAYBOOK)
 
 demo-smoke: demo-provision

@@ -898,6 +898,9 @@ def running_state(base: Path, name: str) -> HostState:
 # --------------------------------------------------------------------------- pip
 
 
+HOST_PIP_CA = "/etc/ssl/llmhost-pip-ca.crt"
+
+
 def pip_config() -> dict[str, Any]:
     """The host's effective pip index settings, and the local folders they use."""
     r = subprocess.run([sys.executable, "-m", "pip", "config", "list"], text=True, capture_output=True, check=False)
@@ -948,12 +951,17 @@ def pip_config() -> dict[str, Any]:
     for b in sorted(set(binds), key=len):
         if not any(b == u or b.startswith(u + "/") for u in unique):
             unique.append(b)
+    # A CA bundle pip trusts here (e.g. for an HTTPS proxy or a private index) is
+    # bound into the host at a fixed path and handed to the role as python_env_pip_cert.
+    cert = values("cert")
+    cert_src = str(Path(cert[0]).resolve()) if cert and Path(cert[0]).is_file() else None
     return {
         "find_links": find_links,
         "extra_index_urls": extra,
         "index_url": index[0] if index else None,
         "constraints": values("constraint"),
-        "bind": sorted(unique),
+        "cert": HOST_PIP_CA if cert_src else None,
+        "bind": sorted(unique) + ([f"{cert_src}:{HOST_PIP_CA}"] if cert_src else []),
     }
 
 
@@ -964,6 +972,8 @@ def pip_role_vars(cfg: dict[str, Any]) -> dict[str, Any]:
     }
     if cfg["index_url"]:
         out["python_env_pip_index_url"] = cfg["index_url"]
+    if cfg.get("cert"):
+        out["python_env_pip_cert"] = cfg["cert"]
     return out
 
 

@@ -58,14 +58,16 @@ def pip_config() -> dict[str, Any]:
 
 
 def pip_role_vars(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The python_env role's pip variables for this machine's pip configuration."""
-    out: dict[str, Any] = {
-        "python_env_pip_find_links": list(cfg["find_links"]),
-        "python_env_pip_extra_index_urls": list(cfg["extra_index_urls"]),
-    }
-    if cfg.get("index_url"):
-        out["python_env_pip_index_url"] = cfg["index_url"]
-    return out
+    """The python_env role's pip variables for this machine's pip configuration
+    (the same function `testhost.py pip-config --vars-file` uses)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("testhost", Path(__file__).parents[2] / "scripts" / "testhost.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("testhost", module)
+    spec.loader.exec_module(module)
+    return dict(module.pip_role_vars(dict(cfg)))
 
 
 @dataclass

@@ -19,6 +19,7 @@ SYSTEM_DIR = Path(__file__).resolve().parent
 if str(SYSTEM_DIR) not in sys.path:  # tests/system is no package; any import mode works
     sys.path.insert(0, str(SYSTEM_DIR))
 
+from _converge import Converged, converge  # noqa: E402
 from _host import BootedHost, HostError  # noqa: E402
 
 
@@ -62,3 +63,9 @@ def booted_host() -> Iterator[BootedHost]:
                 atexit.unregister(host.stop)
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture(scope="session")
+def converged(booted_host: BootedHost, tmp_path_factory: pytest.TempPathFactory) -> Converged:
+    """site.yml converged once into ``booted_host`` (profile cpu, the tiny model, monitoring)."""
+    return converge(booted_host, tmp_path_factory.mktemp("converge"))

@@ -9,18 +9,12 @@ are reached on 127.0.0.1 at the free ports chosen here.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-from _host import BootedHost, free_port
+from _converge import Converged, recap, run_playbook
 from tests.monitoring._prom import (
     DASHBOARDS_DIR,
     api,
@@ -31,63 +25,13 @@ from tests.monitoring._prom import (
     substitute,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 MODEL = "tiny"
-CONVERGE_TIMEOUT_S = 2400
 GRAFANA_STAGING = "/var/lib/llmhost-monitoring/grafana"
 
 
-@dataclass(frozen=True)
-class Monitored:
-    host: BootedHost
-    inventory: Path
-    extra_vars: Path
-    prometheus: str
-    triton_http: str
-    first_converge: subprocess.CompletedProcess[str]
-
-
-def run_playbook(inventory: Path, extra_vars: Path, pip_vars: Path, playbook: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_FORCE_COLOR": "0"}
-    return subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "-e", f"@{REPO / 'inventory' / 'demo.yml'}",
-         "-e", f"@{pip_vars}", "-e", f"@{extra_vars}", playbook],
-        cwd=REPO, env=env, text=True, capture_output=True, timeout=CONVERGE_TIMEOUT_S, check=False,
-    )
-
-
-def recap(out: str) -> dict[str, int]:
-    m = re.search(r"^\S+\s*:\s*(ok=\d+.*)$", out.split("PLAY RECAP", 1)[-1], re.M)
-    assert m, out[-3000:]
-    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
-
-
-@pytest.fixture(scope="module")
-def monitored(booted_host: BootedHost, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
-    work = tmp_path_factory.mktemp("monitoring")
-    ports = {k: free_port() for k in ("http", "grpc", "metrics", "node", "prometheus")}
-    extra = {
-        "triton_http_port": ports["http"],
-        "triton_grpc_port": ports["grpc"],
-        "triton_metrics_port": ports["metrics"],
-        "node_exporter_web_listen_address": f"127.0.0.1:{ports['node']}",
-        "prometheus_web_listen_address": f"127.0.0.1:{ports['prometheus']}",
-        # Fast scrapes so that rates have samples a few seconds after traffic.
-        "prometheus_scrape_interval": "5s",
-        "prometheus_scrape_timeout": "5s",
-        "prometheus_evaluation_interval": "5s",
-        # Grafana cannot be installed here: the role renders its files into a staging dir.
-        "grafana_enabled": False,
-    }
-    extra_vars = work / "vars.json"
-    extra_vars.write_text(json.dumps(extra))
-    inventory = booted_host.write_inventory(work / "inventory.yml", groups=("inference", "monitoring"))
-    first = run_playbook(inventory, extra_vars, booted_host.pip_vars_file, "site.yml")
-    assert first.returncode == 0, f"site.yml failed:\n{first.stdout[-8000:]}\n{first.stderr[-3000:]}"
-    yield Monitored(booted_host, inventory, extra_vars, f"http://127.0.0.1:{ports['prometheus']}",
-                    f"http://127.0.0.1:{ports['http']}", first)
+@pytest.fixture
+def monitored(converged: Converged) -> Converged:
+    return converged
 
 
 def wait_for(what: str, check, timeout_s: float = 90, interval_s: float = 2):  # type: ignore[no-untyped-def]
@@ -101,13 +45,13 @@ def wait_for(what: str, check, timeout_s: float = 90, interval_s: float = 2):  #
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last}")
 
 
-def targets(m: Monitored) -> list[dict]:  # type: ignore[type-arg]
+def targets(m: Converged) -> list[dict]:  # type: ignore[type-arg]
     status, body = api(m.prometheus, "targets")
     assert status == 200, body
     return list(body["data"]["activeTargets"])
 
 
-def test_converge_installed_monitoring(monitored: Monitored):
+def test_converge_installed_monitoring(monitored: Converged):
     out = monitored.first_converge.stdout
     assert "Host metrics and the smoke probe on the inference hosts" in out, "site.yml does not run monitoring.yml"
     host = monitored.host
@@ -120,7 +64,7 @@ def test_converge_installed_monitoring(monitored: Monitored):
     assert f"llmhost-smoke@{MODEL}.timer" in r.stdout
 
 
-def test_every_target_is_up(monitored: Monitored):
+def test_every_target_is_up(monitored: Converged):
     def check():  # type: ignore[no-untyped-def]
         ts = targets(monitored)
         return bool(ts) and all(t["health"] == "up" for t in ts), [
@@ -131,7 +75,7 @@ def test_every_target_is_up(monitored: Monitored):
     assert {inst for _, inst, *_ in seen} == {monitored.host.name}
 
 
-def test_rules_are_loaded_and_nothing_fires(monitored: Monitored):
+def test_rules_are_loaded_and_nothing_fires(monitored: Converged):
     status, body = api(monitored.prometheus, "rules")
     assert status == 200
     names = {r["name"] for g in body["data"]["groups"] for r in g["rules"]}
@@ -141,7 +85,7 @@ def test_rules_are_loaded_and_nothing_fires(monitored: Monitored):
     assert not firing, firing
 
 
-def _traffic(m: Monitored) -> None:
+def _traffic(m: Converged) -> None:
     """The smoke probe (as the timer runs it), one invalid request and one cancelled stream."""
     r = m.host.exec(["systemctl", "start", f"llmhost-smoke@{MODEL}.service"], timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -163,7 +107,7 @@ def _traffic(m: Monitored) -> None:
         urllib.request.urlopen(ok, timeout=60).read()
 
 
-def test_smoke_metrics_reach_prometheus(monitored: Monitored):
+def test_smoke_metrics_reach_prometheus(monitored: Converged):
     _traffic(monitored)
     sel = f'instance="{monitored.host.name}", model="{MODEL}"'
 
@@ -182,7 +126,7 @@ def test_smoke_metrics_reach_prometheus(monitored: Monitored):
     assert float(body["data"]["result"][0]["value"][1]) > 0
 
 
-def test_every_dashboard_query_returns_data(monitored: Monitored):
+def test_every_dashboard_query_returns_data(monitored: Converged):
     """After the traffic above: every non-GPU panel has data; GPU panels parse and are empty."""
     values = {"instance": monitored.host.name, "model": MODEL}
     queries = panel_queries()
@@ -203,7 +147,7 @@ def test_every_dashboard_query_returns_data(monitored: Monitored):
     wait_for("data in every non-GPU panel", check, timeout_s=120, interval_s=5)
 
 
-def test_dashboard_variables_list_the_host_and_model(monitored: Monitored):
+def test_dashboard_variables_list_the_host_and_model(monitored: Converged):
     for name, d in dashboards().items():
         for v in d["templating"]["list"]:
             if v["type"] != "query":
@@ -217,7 +161,7 @@ def test_dashboard_variables_list_the_host_and_model(monitored: Monitored):
             assert body["data"] == [want], (name, v["name"], body)
 
 
-def test_grafana_files_are_staged(monitored: Monitored):
+def test_grafana_files_are_staged(monitored: Converged):
     host = monitored.host
     for path in sorted(DASHBOARDS_DIR.glob("*.json")):
         r = host.exec(["cat", f"{GRAFANA_STAGING}/dashboards/{path.name}"])
@@ -228,7 +172,7 @@ def test_grafana_files_are_staged(monitored: Monitored):
     assert f"path: \"{GRAFANA_STAGING}/dashboards\"" in r.stdout, r.stdout
 
 
-def test_second_converge_changes_nothing(monitored: Monitored):
+def test_second_converge_changes_nothing(monitored: Converged):
     r = run_playbook(monitored.inventory, monitored.extra_vars, monitored.host.pip_vars_file,
                      "playbooks/monitoring.yml")
     assert r.returncode == 0, r.stdout[-6000:]
@@ -236,7 +180,7 @@ def test_second_converge_changes_nothing(monitored: Monitored):
     assert counts["changed"] == 0 and counts["failed"] == 0, r.stdout[-6000:]
 
 
-def test_a_failing_probe_reaches_the_alert_rule(monitored: Monitored):
+def test_a_failing_probe_reaches_the_alert_rule(monitored: Converged):
     """A probe of a model the host does not serve fails: its metrics arrive and the alert goes pending."""
     host = monitored.host
     try:

@@ -1,0 +1,17 @@
+# Ansible checks (helper "ansible"): ansible-lint with the production profile and
+# yamllint over the whole repository; both must print nothing but a pass.
+ANSIBLE_ENV := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible"
+
+.PHONY: lint-ansible test-ansible test-system
+
+lint-ansible: setup
+	$(ANSIBLE_ENV) $(VENV)/bin/ansible-lint --nocolor -q
+	$(ANSIBLE_ENV) $(VENV)/bin/yamllint --strict .
+
+# Fast Ansible checks: argument specs, preflight failures (changes nothing).
+test-ansible: setup
+	$(ANSIBLE_ENV) $(VENV)/bin/pytest -q tests/ansible
+
+# Boots a Debian 12 container and provisions it with site.yml (several minutes).
+test-system: setup
+	$(ANSIBLE_ENV) $(VENV)/bin/pytest -q tests/system

@@ -1,0 +1,73 @@
+"""One converge of site.yml into the booted host, shared by the system tests.
+
+The host shares this machine's network: Triton, Prometheus and node_exporter are
+reached on 127.0.0.1 at the free ports chosen here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from _host import BootedHost, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+CONVERGE_TIMEOUT_S = 2400
+
+
+@dataclass(frozen=True)
+class Converged:
+    host: BootedHost
+    inventory: Path
+    extra_vars: Path
+    prometheus: str
+    triton_http: str
+    ports: dict[str, int]
+    first_converge: subprocess.CompletedProcess[str]
+
+
+def run_playbook(inventory: Path, extra_vars: Path, pip_vars: Path, playbook: str,
+                 *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_FORCE_COLOR": "0"}
+    return subprocess.run(
+        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "-e", f"@{REPO / 'inventory' / 'demo.yml'}",
+         "-e", f"@{pip_vars}", "-e", f"@{extra_vars}", *args, playbook],
+        cwd=REPO, env=env, text=True, capture_output=True, timeout=CONVERGE_TIMEOUT_S, check=False,
+    )
+
+
+def recap(out: str) -> dict[str, int]:
+    m = re.search(r"^\S+\s*:\s*(ok=\d+.*)$", out.split("PLAY RECAP", 1)[-1], re.M)
+    assert m, out[-3000:]
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
+
+
+def converge(host: BootedHost, work: Path) -> Converged:
+    ports = {k: free_port() for k in ("http", "grpc", "metrics", "node", "prometheus")}
+    extra = {
+        "triton_http_port": ports["http"],
+        "triton_grpc_port": ports["grpc"],
+        "triton_metrics_port": ports["metrics"],
+        "node_exporter_web_listen_address": f"127.0.0.1:{ports['node']}",
+        "prometheus_web_listen_address": f"127.0.0.1:{ports['prometheus']}",
+        # Fast scrapes so that rates have samples a few seconds after traffic.
+        "prometheus_scrape_interval": "5s",
+        "prometheus_scrape_timeout": "5s",
+        "prometheus_evaluation_interval": "5s",
+        # Grafana cannot be installed here: the role renders its files into a staging dir.
+        "grafana_enabled": False,
+    }
+    extra_vars = work / "vars.json"
+    extra_vars.write_text(json.dumps(extra))
+    inventory = host.write_inventory(work / "inventory.yml", groups=("inference", "monitoring"))
+    first = run_playbook(inventory, extra_vars, host.pip_vars_file, "site.yml")
+    assert first.returncode == 0, f"site.yml failed:\n{first.stdout[-8000:]}\n{first.stderr[-3000:]}"
+    return Converged(host, inventory, extra_vars, f"http://127.0.0.1:{ports['prometheus']}",
+                     f"http://127.0.0.1:{ports['http']}", ports, first)

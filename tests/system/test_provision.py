@@ -1,0 +1,106 @@
+"""Provisioning as a user sees it: site.yml over SSH into a booted Debian 12 host
+(profile cpu, the tiny model), then the host's own systemd, the smoke test from
+this machine, idempotence (second run and --check --diff report changed=0),
+a restart, the journal, and a preflight that refuses a bad variable by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+from _converge import Converged, recap, run_playbook
+
+LLMHOST = Path(sys.executable).parent / "llmhost"
+
+
+def _ready(url: str, timeout_s: float = 300) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{url}/v2/models/tiny/ready", timeout=3).status_code == 200:
+                return True
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    return False
+
+
+def test_converge_reports_changes(converged: Converged):
+    counts = recap(converged.first_converge.stdout)
+    assert counts["failed"] == 0 and counts["unreachable"] == 0
+    assert counts["changed"] > 0  # a fresh host: it really installed things
+
+
+def test_unit_active_enabled_and_not_root(converged: Converged):
+    host = converged.host
+    assert host.exec(["systemctl", "is-active", "tritonserver"]).stdout.strip() == "active"
+    assert host.exec(["systemctl", "is-enabled", "tritonserver"]).stdout.strip() == "enabled"
+    pid = host.exec(["systemctl", "show", "-p", "MainPID", "--value", "tritonserver"]).stdout.strip()
+    assert pid.isdigit() and int(pid) > 0
+    user = host.exec(["ps", "-o", "user=", "-p", pid]).stdout.strip()
+    assert user == "llmhost", user
+    shell = host.exec(["getent", "passwd", "llmhost"]).stdout.strip().rsplit(":", 1)[-1]
+    assert shell.endswith("nologin"), shell
+    # Every process of the service (stub, EngineCore, Worker) runs as that user too.
+    users = set(host.exec("ps -o user= --ppid " + pid).stdout.split())
+    assert users <= {"llmhost"}, users
+
+
+def test_env_file_and_model_permissions(converged: Converged):
+    host = converged.host
+    r = host.exec("stat -c '%a %U %G' /etc/llmhost/tritonserver.env")
+    assert r.returncode == 0, r.stderr
+    mode, owner, group = r.stdout.split()
+    assert owner == "root" and group == "llmhost" and int(mode, 8) & 0o007 == 0, r.stdout
+    # The service user can read the model repository but not change it.
+    r = host.exec("runuser -u llmhost -- sh -c 'touch /opt/llmhost/models/x' ; echo $?")
+    assert r.stdout.strip().splitlines()[-1] != "0"
+
+
+def test_smoke_from_this_machine(converged: Converged):
+    p = converged.ports
+    done = subprocess.run(
+        [str(LLMHOST), "smoke", "--url", converged.triton_http, "--grpc-url", f"127.0.0.1:{p['grpc']}",
+         "--metrics-url", f"http://127.0.0.1:{p['metrics']}", "--model", "tiny", "--json"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["ok"] is True
+
+
+def test_second_converge_changes_nothing(converged: Converged):
+    r = run_playbook(converged.inventory, converged.extra_vars, converged.host.pip_vars_file, "site.yml")
+    assert r.returncode == 0, r.stdout[-6000:]
+    counts = recap(r.stdout)
+    assert counts["changed"] == 0 and counts["failed"] == 0, r.stdout[-6000:]
+
+
+def test_check_diff_after_converge_changes_nothing(converged: Converged):
+    r = run_playbook(converged.inventory, converged.extra_vars, converged.host.pip_vars_file, "site.yml",
+                     "--check", "--diff")
+    assert r.returncode == 0, r.stdout[-6000:]
+    counts = recap(r.stdout)
+    assert counts["changed"] == 0 and counts["failed"] == 0, r.stdout[-6000:]
+
+
+def test_restart_comes_back_ready_and_journal_has_the_server_log(converged: Converged):
+    host = converged.host
+    r = host.exec(["systemctl", "restart", "tritonserver"])
+    assert r.returncode == 0, r.stderr
+    assert _ready(converged.triton_http), host.exec("journalctl -u tritonserver -n 40 --no-pager").stdout
+    log = host.exec(["journalctl", "-u", "tritonserver", "--no-pager", "-o", "cat"]).stdout
+    assert "Started HTTPService" in log and "successfully loaded 'tiny'" in log
+
+
+def test_preflight_names_a_bad_variable(converged: Converged, tmp_path: Path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**json.loads(converged.extra_vars.read_text()), "llmhost_profile": "tpu"}))
+    r = run_playbook(converged.inventory, bad, converged.host.pip_vars_file, "playbooks/serving.yml",
+                     "--tags", "preflight")
+    assert r.returncode != 0
+    assert "llmhost_profile" in r.stdout
+    # Nothing was changed: the service still serves.
+    assert _ready(converged.triton_http, timeout_s=30)
