@@ -13,6 +13,8 @@ help:
 	@echo "make demo-down  stop and remove the demo container"
 	@echo "make test       every test: lint, unit, e2e (real tritonserver + vLLM), system (booted host)"
 	@echo "make setup      create .venv (vLLM CPU, Triton, test tools)"
+	@echo "make bench-compare  Triton path vs vLLM's own server (numbers, not a test)"
+	@echo "make soak       10 minutes at concurrency 32 (numbers, not a test)"
 
 # The venv: vLLM first, Triton second (they cannot be resolved in one pip call:
 # see pyproject.toml), then drop CUDA-only wheels that break imports on CPU.
@@ -30,7 +32,7 @@ setup: $(VENV)/.setup-done
 lint-python: setup
 	$(VENV)/bin/ruff check src tests scripts
 
-lint: lint-python lint-ansible
+lint: lint-python lint-ansible lint-monitoring
 
 test-unit: setup
 	$(VENV)/bin/pytest -q tests/unit
@@ -38,8 +40,12 @@ test-unit: setup
 test-e2e: setup
 	$(VENV)/bin/pytest -q tests/e2e
 
-test: setup lint
-	$(VENV)/bin/pytest tests
+# Every test: lint, unit, Ansible decision tests, monitoring (promtool, dashboards),
+# e2e (real tritonserver + vLLM) and system (a booted Debian 12 host provisioned
+# with site.yml). Debian packages it needs: prometheus (monitoring-deps);
+# systemd-container and debootstrap (installed by scripts/testhost.py).
+test: setup monitoring-deps lint
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible" $(VENV)/bin/pytest tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
