@@ -56,6 +56,21 @@ class Server:
 
 
 def start_server(model: Path, workdir: Path, name: str = "tiny", extra: list[str] | None = None) -> Server:
+    """Start a server on free ports; a port taken between choosing and binding it
+    (another process's ephemeral port) means another try on new ports."""
+    for attempt in range(3):
+        try:
+            return _start_once(model, workdir / f"try{attempt}" if attempt else workdir, name, extra)
+        except PortTaken:
+            continue
+    raise RuntimeError("could not find free ports for the server in 3 tries")
+
+
+class PortTaken(RuntimeError):
+    pass
+
+
+def _start_once(model: Path, workdir: Path, name: str, extra: list[str] | None) -> Server:
     http, grpc, metrics = free_port(), free_port(), free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "serve.log"
@@ -75,7 +90,10 @@ def start_server(model: Path, workdir: Path, name: str = "tiny", extra: list[str
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llmhost serve exited with {proc.returncode}:\n{server.log_tail()}")
+            tail = server.log_tail()
+            if "already in use" in tail:
+                raise PortTaken(tail)
+            raise RuntimeError(f"llmhost serve exited with {proc.returncode}:\n{tail}")
         try:
             if requests.get(f"{server.http}/v2/models/{name}/ready", timeout=2).status_code == 200:
                 return server

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from pathlib import Path
 
 import psutil
+import requests
 
-from tests.e2e._client import stream
+from llmhost.smoke import parse_sse
 from tests.e2e._server import start_server, wait_gone
 
 
@@ -31,14 +31,23 @@ def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: P
     names = " ".join(_names(kids))
     assert "tritonserver" in names and "EngineCore" in names, names
     results: list[list[dict]] = []
+    started = threading.Event()
 
     def client() -> None:
-        results.append(stream(srv, text_input="def main():", max_tokens=300, ignore_eos=True,
-                              return_num_output_tokens=True))
+        body = {"text_input": "def main():", "max_tokens": 300, "ignore_eos": True, "stream": True,
+                "return_num_output_tokens": True}
+        lines = []
+        with requests.post(f"{srv.http}/v2/models/{srv.name}/generate_stream", json=body, stream=True,
+                           timeout=120) as r:
+            for line in r.iter_lines(chunk_size=1, decode_unicode=True):
+                if line:
+                    lines.append(line)
+                    started.set()
+        results.append(parse_sse(lines))
 
     t = threading.Thread(target=client)
     t.start()
-    time.sleep(2.0)  # the stream is under way
+    assert started.wait(timeout=120), "the stream never started"
     rc = srv.stop(signal.SIGTERM)
     t.join(timeout=60)
     assert rc == 0, srv.log_tail()
