@@ -1,0 +1,98 @@
+"""Role conventions beyond test_argument_specs.py: no argument spec without a default,
+spec defaults equal to defaults/main.yml, `_<role>_` private values, phased tasks,
+handlers with listen:, and inventory files that agree with the role defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.ansible._helpers import REPO, ROLES, load_yaml, role_names
+
+ROLES_UNDER_TEST = role_names()
+
+
+def test_the_serving_roles_exist() -> None:
+    assert {"llmhost", "python_env", "tritonserver", "model_repository", "triton_service"} <= set(ROLES_UNDER_TEST)
+
+
+def _defaults(role: str) -> dict[str, Any]:
+    data = load_yaml(ROLES / role / "defaults" / "main.yml") or {}
+    assert isinstance(data, dict), f"{role}/defaults/main.yml must be a mapping"
+    return data
+
+
+def _options(role: str) -> dict[str, Any]:
+    specs = load_yaml(ROLES / role / "meta" / "argument_specs.yml")
+    options = specs["argument_specs"]["main"].get("options") or {}
+    assert isinstance(options, dict)
+    return options
+
+
+@pytest.mark.parametrize("role", ROLES_UNDER_TEST)
+def test_every_argument_spec_is_a_default(role: str) -> None:
+    extra = sorted(set(_options(role)) - set(_defaults(role)))
+    assert not extra, f"roles/{role}: argument specs without a default in defaults/main.yml: {extra}"
+
+
+@pytest.mark.parametrize("role", ROLES_UNDER_TEST)
+def test_argument_specs_have_type_description_and_the_same_default(role: str) -> None:
+    defaults = _defaults(role)
+    for name, spec in _options(role).items():
+        assert spec.get("type"), f"roles/{role}: {name} has no type"
+        assert spec.get("description"), f"roles/{role}: {name} has no description"
+        assert "default" in spec, f"roles/{role}: {name} documents no default"
+        assert spec["default"] == defaults[name], (
+            f"roles/{role}: {name} defaults to {defaults[name]!r} but its argument spec says {spec['default']!r}"
+        )
+
+
+@pytest.mark.parametrize("role", ROLES_UNDER_TEST)
+def test_private_vars_carry_the_role_prefix(role: str) -> None:
+    path = ROLES / role / "vars" / "main.yml"
+    if not path.exists():
+        return
+    bad = [k for k in (load_yaml(path) or {}) if not k.startswith(f"_{role}_")]
+    assert not bad, f"roles/{role}/vars/main.yml: private values must be named _{role}_*: {bad}"
+
+
+@pytest.mark.parametrize("role", ROLES_UNDER_TEST)
+def test_tasks_are_split_into_tagged_phases(role: str) -> None:
+    main = load_yaml(ROLES / role / "tasks" / "main.yml")
+    tags = {tag for task in main for tag in task.get("tags", [])}
+    assert "preflight" in tags, f"roles/{role}/tasks/main.yml has no preflight phase"
+    for task in main:
+        keys = {"ansible.builtin.import_tasks", "ansible.builtin.include_tasks"}
+        assert keys & set(task), f"roles/{role}/tasks/main.yml should only import or include phases: {task}"
+
+
+@pytest.mark.parametrize("role", ROLES_UNDER_TEST)
+def test_handlers_listen_on_topics(role: str) -> None:
+    path = ROLES / role / "handlers" / "main.yml"
+    if not path.exists():
+        return
+    for handler in load_yaml(path):
+        assert handler.get("listen"), f"roles/{role}: handler {handler.get('name')!r} has no listen:"
+
+
+def test_group_vars_agree_with_role_defaults() -> None:
+    """inventory/group_vars/all.yml documents the knobs with the roles' default values."""
+    defaults: dict[str, Any] = {}
+    for role in ROLES_UNDER_TEST:
+        defaults.update(_defaults(role))
+    group_vars = load_yaml(REPO / "inventory" / "group_vars" / "all.yml")
+    unknown = sorted(set(group_vars) - set(defaults))
+    assert not unknown, f"group_vars/all.yml sets variables no role knows: {unknown}"
+    differ = {k: (v, defaults[k]) for k, v in group_vars.items() if defaults[k] != v}
+    assert not differ, f"group_vars/all.yml disagrees with the role defaults (value, default): {differ}"
+
+
+def test_demo_vars_are_known_variables() -> None:
+    defaults: dict[str, Any] = {}
+    for role in ROLES_UNDER_TEST:
+        defaults.update(_defaults(role))
+    demo = load_yaml(REPO / "inventory" / "demo.yml")
+    assert demo["llmhost_profile"] == "cpu"
+    assert [m["source"] for m in demo["llmhost_models"]] == ["tiny"]
+    assert not sorted(set(demo) - set(defaults))
