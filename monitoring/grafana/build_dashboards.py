@@ -13,7 +13,7 @@ in tests/system).
 
 Metric names are the ones llmhost's Triton backend exports (vllm:*, label
 `model`), Triton's own (nv_*), node_exporter's (node_*), the smoke probe's
-(llmhost_smoke_*) and DCGM's GPU temperature. Every target carries
+(llmhost_smoke_*) and NVIDIA DCGM's exporter (DCGM_FI_*, roles/dcgm_exporter). Every target carries
 `instance` = the inventory host name (roles/prometheus sets it).
 """
 
@@ -416,6 +416,7 @@ def triton() -> db.Dashboard:
 
 def host() -> db.Dashboard:
     gpu_note = " Empty on hosts without an NVIDIA GPU."
+    dcgm = " From NVIDIA DCGM's exporter (roles/dcgm_exporter)."
     host_panels = [
         ts("CPU busy", "Share of CPU time not idle, per host.", "percentunit",
            targets((f"1 - avg by (instance) (rate(node_cpu_seconds_total{{{HOST}, mode=\"idle\"}}{RATE}))",
@@ -450,16 +451,45 @@ def host() -> db.Dashboard:
         ts("GPU power", "Power draw and limit per GPU." + gpu_note, "watt",
            targets((f"nv_gpu_power_usage{{{HOST}}}", "draw {{instance}} {{gpu_uuid}}"),
                    (f"nv_gpu_power_limit{{{HOST}}}", "limit {{instance}} {{gpu_uuid}}"))),
-        ts("GPU temperature", "GPU temperature from NVIDIA DCGM's exporter (DCGM_FI_DEV_GPU_TEMP; Triton exports "
-           "none). Empty unless dcgm-exporter runs and prometheus_dcgm_exporter_enabled is set." + gpu_note,
-           "celsius", targets((f"DCGM_FI_DEV_GPU_TEMP{{{HOST}}}", "{{instance}} GPU {{gpu}}")),
+        ts("GPU temperature", "GPU and memory (HBM) temperature per GPU from NVIDIA DCGM's exporter "
+           "(roles/dcgm_exporter; Triton exports none). Alert: LLMHostGPUTemperatureHigh above 85 C." + gpu_note,
+           "celsius", targets((f"DCGM_FI_DEV_GPU_TEMP{{{HOST}}}", "GPU {{instance}} {{gpu}}"),
+                              (f"DCGM_FI_DEV_MEMORY_TEMP{{{HOST}}}", "memory {{instance}} {{gpu}}")),
            [(None, "green"), (80, "orange"), (90, "red")]),
+        ts("GPU clocks", "SM and memory clocks per GPU; SM clocks falling under load mean throttling."
+           + dcgm + gpu_note,
+           "hertz", targets((f"DCGM_FI_DEV_SM_CLOCK{{{HOST}}} * 1e6", "SM {{instance}} {{gpu}}"),
+                            (f"DCGM_FI_DEV_MEM_CLOCK{{{HOST}}} * 1e6", "memory {{instance}} {{gpu}}"))),
+        ts("GPU throttling", "Share of time each GPU was slowed down for heat or for its power limit (Alert: "
+           "LLMHostGPUThermalThrottling above 10%)." + dcgm + gpu_note, "percentunit",
+           targets((f"rate(DCGM_FI_DEV_THERMAL_VIOLATION{{{HOST}}}{RATE}) / 1e6", "thermal {{instance}} {{gpu}}"),
+                   (f"rate(DCGM_FI_DEV_POWER_VIOLATION{{{HOST}}}{RATE}) / 1e6", "power {{instance}} {{gpu}}")),
+           [(None, "green"), (0.1, "orange")], max_val=1),
+        ts("GPU XID errors", "The code of each GPU's last XID error (0: none since the driver loaded); look codes "
+           "up in NVIDIA's XID catalogue (Alert: LLMHostGPUXidError)." + dcgm + gpu_note, "none",
+           targets((f"DCGM_FI_DEV_XID_ERRORS{{{HOST}}}", "{{instance}} GPU {{gpu}}")),
+           [(None, "green"), (1, "red")]),
+        ts("GPU memory errors", "ECC errors in the last hour (single-bit corrected, double-bit not), remapped rows "
+           "and failed remaps per GPU (Alert: LLMHostGPUUncorrectableMemoryErrors)." + dcgm + gpu_note, "short",
+           targets((f"increase(DCGM_FI_DEV_ECC_SBE_VOL_TOTAL{{{HOST}}}[1h])", "ECC single-bit {{instance}} {{gpu}}"),
+                   (f"increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{HOST}}}[1h])", "ECC double-bit {{instance}} {{gpu}}"),
+                   (f"DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS{{{HOST}}} + "
+                    f"DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS{{{HOST}}}", "remapped rows {{instance}} {{gpu}}"),
+                   (f"DCGM_FI_DEV_ROW_REMAP_FAILURE{{{HOST}}}", "remap failed {{instance}} {{gpu}}")),
+           [(None, "green"), (1, "red")]),
+        ts("GPU link errors", "PCIe replays and NVLink CRC errors per second per GPU: a growing rate points at a "
+           "bad riser, cable or NVLink." + dcgm + gpu_note, "short",
+           targets((f"rate(DCGM_FI_DEV_PCIE_REPLAY_COUNTER{{{HOST}}}{RATE})", "PCIe replays {{instance}} {{gpu}}"),
+                   (f"rate(DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL{{{HOST}}}{RATE}) + "
+                    f"rate(DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL{{{HOST}}}{RATE})",
+                    "NVLink CRC {{instance}} {{gpu}}"))),
         ts("GPU energy", "Energy use per GPU as power averaged from Triton's energy counter (joules)." + gpu_note,
            "watt", targets((f"rate(nv_energy_consumption{{{HOST}}}{RATE})", "{{instance}} {{gpu_uuid}}"))),
     ]
     d = new_dashboard(
         "llmhost / Host and GPU", "llmhost-host",
-        "node_exporter's host metrics and the GPUs' utilisation, memory, power and temperature.",
+        "node_exporter's host metrics; the GPUs' utilisation, memory, power, temperature, clocks, throttling and "
+        "errors (XID, ECC, PCIe, NVLink).",
         [datasource_var(), instance_var()],
     )
     return add(d, [("Host", host_panels), ("GPU", gpu_panels)])

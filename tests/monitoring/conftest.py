@@ -16,6 +16,8 @@ RECORDINGS = [
     Recording(FIXTURES / "triton-cpu-metrics.txt", "triton", CPU_HOST),
     Recording(FIXTURES / "node-exporter-metrics.txt", "node", CPU_HOST),
     Recording(FIXTURES / "triton-gpu-metrics.txt", "triton", GPU_HOST),
+    # Constructed (no DCGM could run on the device machine): see the file's header.
+    Recording(FIXTURES / "dcgm-exporter-metrics.txt", "dcgm", GPU_HOST),
 ]
 
 

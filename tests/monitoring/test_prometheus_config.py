@@ -77,6 +77,47 @@ def test_cluster_config_is_valid_and_scrapes_every_host(tmp_path: Path):
     assert config["rule_files"] == [str(tmp_path / "out" / "rules" / "*.yml")]
 
 
+def test_dcgm_targets_follow_the_hosts_that_install_the_exporter(tmp_path: Path):
+    """auto (the default) scrapes dcgm-exporter where roles/dcgm_exporter installs it: GPU-profile
+    hosts that do not turn it off, on each host's own dcgm_exporter_listen_address."""
+    inv = inventory(tmp_path, {
+        "gpu-node-01": {"ansible_host": "10.0.0.11", "llmhost_bind_address": "0.0.0.0"},
+        "gpu-node-02": {"ansible_host": "10.0.0.12", "llmhost_bind_address": "0.0.0.0",
+                        "dcgm_exporter_listen_address": "10.0.0.12:9500"},
+        "cpu-node": {"ansible_host": "10.0.0.13", "llmhost_bind_address": "0.0.0.0", "llmhost_profile": "cpu"},
+        "gpu-no-dcgm": {"ansible_host": "10.0.0.14", "llmhost_bind_address": "0.0.0.0",
+                        "dcgm_exporter_enabled": False},
+    }, monitoring="mon-01")
+    r = render(tmp_path, inv)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    path = tmp_path / "out" / "prometheus.yml"
+    assert promtool("check", "config", path).returncode == 0
+    jobs = scrape_jobs(yaml.safe_load(path.read_text()))
+    assert jobs["dcgm"] == {"gpu-node-01": "10.0.0.11:9400", "gpu-node-02": "10.0.0.12:9500"}
+    assert set(jobs["triton"]) == {"gpu-node-01", "gpu-node-02", "cpu-node", "gpu-no-dcgm"}
+
+    off = render(tmp_path, inv, prometheus_dcgm_exporter_enabled=False)
+    assert off.returncode == 0, off.stdout[-4000:]
+    assert "dcgm" not in scrape_jobs(yaml.safe_load(path.read_text()))
+
+
+def test_a_dcgm_exporter_on_loopback_of_another_host_is_refused(tmp_path: Path):
+    inv = inventory(tmp_path, {
+        "gpu-node-01": {"ansible_host": "10.0.0.11", "llmhost_bind_address": "0.0.0.0",
+                        "dcgm_exporter_listen_address": "127.0.0.1:9400"},
+    }, monitoring="mon-01")
+    r = render(tmp_path, inv)
+    assert r.returncode != 0
+    assert "gpu-node-01 (dcgm, dcgm_exporter_listen_address)" in r.stdout
+
+
+def test_prometheus_dcgm_exporter_enabled_must_be_auto_true_or_false(tmp_path: Path):
+    inv = inventory(tmp_path, {}, monitoring="mon-01")
+    r = render(tmp_path, inv, prometheus_dcgm_exporter_enabled="sometimes")
+    assert r.returncode != 0
+    assert "prometheus_dcgm_exporter_enabled must be auto, true or false" in r.stdout
+
+
 def test_a_monitoring_host_without_inference_hosts_is_valid(tmp_path: Path):
     inv = inventory(tmp_path, {}, monitoring="mon-01")
     r = render(tmp_path, inv)
