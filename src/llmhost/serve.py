@@ -45,6 +45,7 @@ class ServeOptions:
     kv_cache_gib: int = 1
     engine_args: dict[str, Any] = field(default_factory=dict)
     log_verbose: int = 0
+    triton_args: list[str] = field(default_factory=list)
 
 
 def detect_device() -> str:
@@ -101,6 +102,7 @@ def server_command(triton: TritonInstall, workdir: Path, opts: ServeOptions, dev
         f"--exit-timeout-secs={int(opts.drain_timeout_s) + 30}",
         "--strict-readiness=true",
         f"--log-verbose={opts.log_verbose}",
+        *opts.triton_args,
     ]
 
 

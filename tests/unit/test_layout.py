@@ -49,3 +49,16 @@ def test_engine_args_override_and_gpu_placement(tmp_path: Path):
     d = make_model_dir(tmp_path, model)
     assert json.loads((d / "model.json").read_text())["model"] == "/other"
     assert "gpus: [ 0, 1 ]" in (d / "config.pbtxt").read_text()
+
+
+def test_serve_passes_extra_tritonserver_arguments_last(tmp_path: Path):
+    from llmhost.cli import build_parser
+    from llmhost.serve import ServeOptions, server_command
+
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--triton-arg=--http-thread-count=32",
+                                      "--triton-arg=--log-info=false"])
+    assert args.triton_arg == ["--http-thread-count=32", "--log-info=false"]
+    triton = TritonInstall.from_pytriton()
+    cmd = server_command(triton, tmp_path, ServeOptions(model=tmp_path, triton_args=args.triton_arg), "cpu")
+    assert cmd[-2:] == ["--http-thread-count=32", "--log-info=false"]
+    assert f"--model-repository={tmp_path / 'models'}" in cmd
