@@ -548,6 +548,47 @@ def choose(driver_cuda: str, driver_version: str | None, matrix: Matrix, vllm: s
     )
 
 
+def given_info(cuda_version: str, driver_version: str | None = None) -> DriverInfo:
+    """What is known without asking the driver: its CUDA version and maybe its version."""
+    return DriverInfo(driver_version=driver_version or "", cuda_version=cuda_version, source="given")
+
+
+def smi_text_info(text: str) -> DriverInfo:
+    """Driver and CUDA version from the header of plain ``nvidia-smi`` output already read."""
+    driver, cuda = parse_smi_header(text)
+    return DriverInfo(driver_version=driver, cuda_version=cuda, gpus=tuple(parse_smi_table_gpus(text)))
+
+
+def match_report(get_info: Callable[[], DriverInfo], matrix: Matrix, vllm: str | None = None,
+                 minor_compat: bool = False) -> tuple[int, dict[str, Any]]:
+    """Detection (``get_info``) and choice as ``llmhost gpu-info`` reports them: (exit code, report).
+
+    ``report["status"]`` is ``match`` (``report["match"]`` is ``Match.to_dict()``), ``no_driver``,
+    ``driver_too_old`` (with ``min_driver``) or ``error`` (a malformed version); ``report["error"]``
+    says why. The python_env role's filter ``llmhost_cuda_match`` returns this report.
+    """
+    vllm = matrix.release(vllm).vllm
+    report: dict[str, Any] = {"vllm": vllm, "detected": None, "match": None, "status": None, "error": None}
+    try:
+        info = get_info()
+        report["detected"] = info.to_dict()
+        if not info.cuda_version:
+            raise NoDriverError(f"driver {info.driver_version} reports no CUDA version")
+        match = choose(info.cuda_version, info.driver_version or None, matrix, vllm, minor_compat=minor_compat)
+        report.update(match=match.to_dict(), status="match")
+        code = EXIT_MATCH
+    except NoDriverError as exc:
+        report.update(status="no_driver", error=str(exc))
+        code = EXIT_NO_DRIVER
+    except DriverTooOldError as exc:
+        report.update(status="driver_too_old", error=str(exc), min_driver=exc.min_driver)
+        code = EXIT_DRIVER_TOO_OLD
+    except ValueError as exc:
+        report.update(status="error", error=str(exc))
+        code = EXIT_USAGE
+    return code, report
+
+
 # -- command line ------------------------------------------------------------------------
 
 
@@ -586,31 +627,15 @@ def main_gpu_info(argv: Sequence[str] | None = None) -> int:
     except (MatrixError, json.JSONDecodeError) as exc:
         print(f"llmhost gpu-info: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    report: dict[str, Any] = {"vllm": vllm, "detected": None, "match": None, "status": None, "error": None}
-    try:
+
+    def get_info() -> DriverInfo:
         if args.cuda_version:
-            info = DriverInfo(driver_version=args.driver_version or "", cuda_version=args.cuda_version,
-                              source="given")
-        elif args.from_dir:
-            info = detect_from_dir(args.from_dir)
-        else:
-            info = detect(args.nvidia_smi, use_nvml=not args.no_nvml)
-        report["detected"] = info.to_dict()
-        if not info.cuda_version:
-            raise NoDriverError(f"driver {info.driver_version} reports no CUDA version")
-        match = choose(info.cuda_version, info.driver_version or None, matrix, vllm,
-                       minor_compat=args.allow_minor_version_compat)
-        report.update(match=match.to_dict(), status="match")
-        code = EXIT_MATCH
-    except NoDriverError as exc:
-        report.update(status="no_driver", error=str(exc))
-        code = EXIT_NO_DRIVER
-    except DriverTooOldError as exc:
-        report.update(status="driver_too_old", error=str(exc), min_driver=exc.min_driver)
-        code = EXIT_DRIVER_TOO_OLD
-    except ValueError as exc:
-        report.update(status="error", error=str(exc))
-        code = EXIT_USAGE
+            return given_info(args.cuda_version, args.driver_version)
+        if args.from_dir:
+            return detect_from_dir(args.from_dir)
+        return detect(args.nvidia_smi, use_nvml=not args.no_nvml)
+
+    code, report = match_report(get_info, matrix, vllm, minor_compat=args.allow_minor_version_compat)
     print(json.dumps(report, indent=None if args.compact else 2))
     return code
 

@@ -16,9 +16,11 @@ from typing import Any
 
 import pytest
 
+from llmhost.cuda import DriverTooOldError, NoDriverError, choose, load_matrix, parse_smi_header
 from tests.ansible._helpers import REPO, PlaybookRun, ansible_playbook
 
 GPU_FIXTURES = REPO / "tests" / "fixtures" / "gpu"
+MATRIX = load_matrix()
 
 
 def preflight(*extra: dict[str, Any] | str) -> PlaybookRun:
@@ -37,14 +39,19 @@ def assert_fails_naming(run: PlaybookRun, *needles: str) -> None:
     assert run.recap()["localhost"]["failed"] == 1, run.output
     starts = [i for i in (run.output.find("fatal: ["), run.output.find("failed: [")) if i >= 0]
     assert starts, run.output
-    failure = " ".join(run.output[min(starts) :].split())  # the callback wraps long messages
+    failure = unwrap(run.output[min(starts) :])
     for needle in needles:
         assert needle in failure, f"{needle!r} not in the failure:\n{failure[:3000]}"
 
 
+def unwrap(output: str) -> str:
+    """Output as one line: the YAML callback wraps long messages and doubles quotes in them."""
+    return " ".join(output.split()).replace("''", "'")
+
+
 def fake_nvidia_smi(tmp_path: Path, fixture: str) -> str:
     """An nvidia-smi that prints a recorded (or constructed) nvidia-smi output."""
-    path = tmp_path / "nvidia-smi"
+    path = tmp_path / f"nvidia-smi-{fixture}"
     path.write_text(f"#!/bin/sh\nexec cat {GPU_FIXTURES / fixture / 'nvidia-smi.txt'}\n")
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return str(path)
@@ -120,6 +127,23 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ),
     ("interpreter too old or missing", {"python_env_python": "/nonexistent/python3"}, ("python_env_python",)),
     (
+        "vLLM release not in the CUDA matrix",
+        {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_vllm_version": "0.31.0"},
+        ("python_env_vllm_version is 0.31.0", f"knows only vLLM {', '.join(sorted(MATRIX.releases))}",
+         "python_env_gpu_packages"),
+    ),
+    (
+        "torch release other than the matrix's",
+        {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_torch_version": "2.12.0"},
+        ("python_env_torch_version is 2.12.0", f"pins torch {MATRIX.release().torch}"),
+    ),
+    (
+        "CUDA version override malformed",
+        {"llmhost_profile": "gpu", "python_env_cuda_version": "13"},
+        ("python_env_cuda_version", "must look like 13.0, got '13'"),
+    ),
+    ("vendor indexes not a bool", {"python_env_vendor_indexes": "sometimes"}, ("python_env_vendor_indexes",)),
+    (
         "ready timeout of the wrong type",
         {"triton_service_ready_timeout_s": "soon"},
         ("triton_service_ready_timeout_s",),
@@ -150,17 +174,142 @@ def test_profile_gpu_without_a_driver_fails_clearly() -> None:
     assert_fails_naming(run, "llmhost_profile is gpu", "no working NVIDIA driver", "set llmhost_profile to cpu")
 
 
-def test_profile_gpu_reads_the_driver_cuda_version(tmp_path: Path) -> None:
-    smi = fake_nvidia_smi(tmp_path, "h100-580.159.04-real")
-    run = preflight({"llmhost_profile": "gpu", "python_env_nvidia_smi": smi})
+# -- profile gpu: the role's CUDA choice is llmhost.cuda's ------------------------------
+
+SMI_FIXTURES = sorted(p.parent.name for p in GPU_FIXTURES.glob("*/nvidia-smi.txt"))
+# What tests/fixtures/gpu/README.md says each host gets (vLLM 0.32.0), natively and
+# with CUDA minor-version compatibility.
+EXPECTED = {
+    "h100-580.159.04-real": ("cu130", "cu130"),
+    "h200x4-590.48.01-constructed": ("cu130", "cu130"),
+    "rtx6000ada-575.57.08-constructed": ("cu129", "cu129"),
+    "l40s-570.172.08-constructed": ("driver_too_old", "cu129"),
+    "a100x2-535.247.01-constructed": ("driver_too_old", "cu129"),
+    "t4-470.256.02-constructed": ("driver_too_old", "driver_too_old"),
+    "no-driver-constructed": ("no_driver", "no_driver"),
+    "version-mismatch-constructed": ("no_driver", "no_driver"),
+}
+# The matrix's own indexes, not the inventory's python_env_torch_index_url.
+MATRIX_INDEXES = {"llmhost_profile": "gpu", "python_env_torch_index_url": ""}
+
+
+def python_choice(smi_text: str, minor_compat: bool = False) -> tuple[str, str]:
+    """What llmhost.cuda chooses for this nvidia-smi output, as (outcome, text the role must print):
+    ("cu130", "build cu130 (...): <pip step 1 arguments> then"), ("driver_too_old", message) or
+    ("no_driver", message)."""
+    try:
+        driver, cuda_version = parse_smi_header(smi_text)
+        if cuda_version is None:
+            raise NoDriverError(f"driver {driver} reports no CUDA version")
+        m = choose(cuda_version, driver, MATRIX, minor_compat=minor_compat)
+    except NoDriverError as exc:
+        return "no_driver", str(exc).rstrip(".")
+    except DriverTooOldError as exc:
+        return "driver_too_old", str(exc)
+    step1 = [f"--extra-index-url={u}" for u in m.extra_index_urls] + list(m.packages)
+    return m.tag, f"build {m.tag} (CUDA {m.cuda}, driver >= {m.min_driver}, {m.via}): {' '.join(step1)} then"
+
+
+def fixture_preflights(tmp: Path, runs: dict[Any, tuple[str, dict[str, Any]]]) -> dict[Any, PlaybookRun]:
+    """Preflight, profile gpu, per key: nvidia-smi prints the fixture, plus the overrides; in parallel."""
+    smi = {fixture: fake_nvidia_smi(tmp, fixture) for fixture, _ in runs.values()}
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {
+            key: pool.submit(preflight, {**MATRIX_INDEXES, "python_env_nvidia_smi": smi[fixture], **override})
+            for key, (fixture, override) in runs.items()
+        }
+        return {key: fut.result() for key, fut in futures.items()}
+
+
+# Every fixture natively; with minor-version compatibility the hosts whose driver is too old.
+CHOICES = [(f, False) for f in SMI_FIXTURES] + [
+    (f, True) for f in SMI_FIXTURES if EXPECTED.get(f, ("",))[0] == "driver_too_old"
+]
+
+
+@pytest.fixture(scope="module")
+def choice_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], PlaybookRun]:
+    """Preflight with a fake nvidia-smi printing each fixture, natively and with minor-version compat."""
+    runs = {(f, mc): (f, {"python_env_cuda_minor_version_compat": mc}) for f, mc in CHOICES}
+    return fixture_preflights(tmp_path_factory.mktemp("smi"), runs)
+
+
+@pytest.mark.parametrize(("fixture", "minor_compat"), CHOICES,
+                         ids=[f"{f}{'-minor-compat' if mc else ''}" for f, mc in CHOICES])
+def test_role_chooses_what_llmhost_cuda_chooses(
+    choice_runs: dict[tuple[str, bool], PlaybookRun], fixture: str, minor_compat: bool
+) -> None:
+    outcome, text = python_choice((GPU_FIXTURES / fixture / "nvidia-smi.txt").read_text(), minor_compat)
+    if fixture in EXPECTED:
+        assert outcome == EXPECTED[fixture][minor_compat]
+    run = choice_runs[(fixture, minor_compat)]
+    if outcome == "no_driver":
+        assert_fails_naming(run, "llmhost_profile is gpu", "no working NVIDIA driver", text)
+    elif outcome == "driver_too_old":
+        # llmhost.cuda's message names the driver, its CUDA version and each variant's minimum driver.
+        assert_fails_naming(run, text, "python_env_gpu_packages")
+        for variant in MATRIX.release().variants:
+            assert f"({variant.tag}, driver >= {variant.min_driver})" in text
+    else:
+        assert run.rc == 0, run.output
+        assert text in unwrap(run.output), run.output
+
+
+def test_a_575_driver_gets_the_cu129_build_from_vllm_and_pytorch_indexes(
+    choice_runs: dict[tuple[str, bool], PlaybookRun],
+) -> None:
+    run = choice_runs[("rtx6000ada-575.57.08-constructed", False)]
+    assert (
+        "driver 575.57.08, CUDA 12.9, build cu129 (CUDA 12.9, driver >= 575.51.03, native): "
+        "--extra-index-url=https://wheels.vllm.ai/0.32.0/cu129 "
+        "--extra-index-url=https://download.pytorch.org/whl/cu129 "
+        "vllm==0.32.0+cu129 torch==2.13.0+cu129 torchvision==0.28.0+cu129 torchaudio==2.11.0+cu129 then"
+    ) in unwrap(run.output)
+
+
+INDEX_CASES: dict[str, tuple[str, dict[str, Any], str]] = {
+    # name: (fixture, overrides, pip step 1 the role must show)
+    "torch mirror replaces PyTorch's index": (
+        "rtx6000ada-575.57.08-constructed",
+        {"python_env_torch_index_url": "https://mirror.example.internal/whl/"},
+        "--extra-index-url=https://wheels.vllm.ai/0.32.0/cu129 "
+        "--extra-index-url=https://mirror.example.internal/whl/cu129 vllm==0.32.0+cu129",
+    ),
+    "no vendor indexes": (
+        "rtx6000ada-575.57.08-constructed",
+        {"python_env_vendor_indexes": False},
+        "native): vllm==0.32.0+cu129 torch==2.13.0+cu129",
+    ),
+    "no vendor indexes but a torch mirror": (
+        "h100-580.159.04-real",
+        {"python_env_vendor_indexes": False, "python_env_torch_index_url": "https://mirror.example.internal/whl"},
+        "native): --extra-index-url=https://mirror.example.internal/whl/cu130 vllm==0.32.0 torch==2.13.0+cu130",
+    ),
+    "CUDA version given, no nvidia-smi": (
+        "no-driver-constructed",
+        {"python_env_cuda_version": "12.9"},
+        "CUDA 12.9 (python_env_cuda_version), build cu129 (CUDA 12.9, driver >= 575.51.03, native): "
+        "--extra-index-url=https://wheels.vllm.ai/0.32.0/cu129",
+    ),
+    "release outside the matrix with pinned packages": (
+        "h100-580.159.04-real",
+        {"python_env_vllm_version": "0.31.0", "python_env_gpu_packages": ["vllm==0.31.0", "torch==2.12.0+cu130"]},
+        "pinned in python_env_gpu_packages: vllm==0.31.0 torch==2.12.0+cu130 then",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def index_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
+    runs = {name: (fixture, override) for name, (fixture, override, _) in INDEX_CASES.items()}
+    return fixture_preflights(tmp_path_factory.mktemp("index"), runs)
+
+
+@pytest.mark.parametrize("name", list(INDEX_CASES))
+def test_indexes_and_overrides(index_runs: dict[str, PlaybookRun], name: str) -> None:
+    run = index_runs[name]
     assert run.rc == 0, run.output
-    assert "CUDA 13.0 (cu130): vllm==0.32.0 torch==2.13.0+cu130" in run.output
-
-
-def test_profile_gpu_with_a_driver_too_old_fails_naming_the_cuda_versions(tmp_path: Path) -> None:
-    smi = fake_nvidia_smi(tmp_path, "t4-470.256.02-constructed")
-    run = preflight({"llmhost_profile": "gpu", "python_env_nvidia_smi": smi})
-    assert_fails_naming(run, "supports CUDA 11.4", "needs CUDA 13.0", "python_env_gpu_packages")
+    assert INDEX_CASES[name][2] in unwrap(run.output), run.output
 
 
 def test_profile_gpu_with_pinned_packages_skips_the_cuda_table(tmp_path: Path) -> None:
