@@ -402,7 +402,9 @@ def test_device_run_recording_is_consistent():
 
 def test_device_run_gpu_panels_returned_data():
     """The GPU panels were run against a real Prometheus on the H100: each over Triton's
-    metrics returned a series, and the recorded queries are still the dashboards' queries."""
+    metrics returned a series, and the recorded queries over Triton's metrics are still the
+    dashboards' queries (the DCGM panels came later; no DCGM ran there: tests/monitoring
+    runs them over a constructed dcgm-exporter exposition)."""
     import json
 
     from tests.monitoring._prom import panel_queries, substitute
@@ -412,7 +414,7 @@ def test_device_run_gpu_panels_returned_data():
     assert rec["failed"] == []
     by_expr = {r["expr"]: r for r in rec["results"]}
     current = [substitute(q.expr, {"instance": "gpu-host", "model": ".*"}) for q in panel_queries() if q.gpu]
-    assert current and set(current) == set(by_expr)
+    assert current and {e for e in current if "nv_" in e} == {e for e in by_expr if "nv_" in e}
     for expr, row in by_expr.items():
         assert row["status"] == 200
         if "nv_" in expr:
