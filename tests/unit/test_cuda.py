@@ -419,3 +419,28 @@ def test_device_run_gpu_panels_returned_data():
         assert row["status"] == 200
         if "nv_" in expr:
             assert row["series"] >= 1, expr
+
+
+def test_device_run_role_preflights_on_the_real_h100():
+    """Recorded on the H100 (Ubuntu 24.04, 2026-11-22): site.yml's preflights in check mode
+    against the real driver. The python_env role chose what llmhost.cuda chooses for that
+    host's nvidia-smi, dcgm_exporter chose DCGM's CUDA 13 packages from the Ubuntu 24.04
+    repository, and nothing changed or failed."""
+    import re
+
+    from llmhost.cuda import choose, load_matrix, parse_smi_header
+
+    rec = Path(__file__).parents[1] / "fixtures" / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-22-roles"
+    assert 'VERSION_ID="24.04"' in (rec / "os-release.txt").read_text()
+    driver, cuda = parse_smi_header((rec / "nvidia-smi.txt").read_text())
+    assert cuda is not None
+    match = choose(cuda, driver, load_matrix())
+    for name in ("role-preflights.txt", "site-preflight.txt"):
+        text = (rec / name).read_text()
+        assert re.search(r"localhost\s+: ok=\d+\s+changed=0\s+unreachable=0\s+failed=0", text), name
+        assert text.rstrip().endswith("exit code: 0"), name
+        flat = " ".join(text.split())
+        assert f"driver {driver}, CUDA {cuda}, build {match.tag}" in flat, name
+        assert " ".join(match.packages) in flat, name
+        assert ("datacenter-gpu-manager-4-core datacenter-gpu-manager-4-cuda13 datacenter-gpu-manager-exporter "
+                "from https://developer.download.nvidia.com/compute/cuda/repos/ubuntu2404/x86_64/") in flat, name
