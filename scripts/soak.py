@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.e2e._load import run_load
+from tests.e2e._load import run_load, tree_rss_mib
 from tests.e2e._server import start_server
 
 from llmhost.tiny_model import write_tiny_model
@@ -26,8 +26,11 @@ def main() -> int:
     srv = start_server(write_tiny_model(work / "tiny"), work / "serve")
     try:
         # Warm up first so the RSS baseline includes the allocator's steady state.
-        run_load(srv.http, srv.name, srv.proc.pid, args.concurrency, 20)
-        rep = run_load(srv.http, srv.name, srv.proc.pid, args.concurrency, args.minutes * 60)
+        def rss() -> float:
+            return tree_rss_mib(srv.proc.pid)
+
+        run_load(srv.http, srv.name, rss, args.concurrency, 20)
+        rep = run_load(srv.http, srv.name, rss, args.concurrency, args.minutes * 60)
     finally:
         srv.stop()
     r = rep.result

@@ -11,20 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-import requests
 
 from tests.conftest import free_port
+from tests.e2e._endpoint import Endpoint
 
 READY_TIMEOUT_S = 300
 
 
 @dataclass
-class Server:
+class Server(Endpoint):
     proc: subprocess.Popen[bytes]
-    name: str
-    http: str
-    grpc: str
-    metrics: str
     log: Path
 
     def descendants(self) -> list[psutil.Process]:
@@ -35,19 +31,6 @@ class Server:
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def metric(self, series: str, **labels: str) -> float:
-        """Sum of a series on /metrics for this model (0 when absent)."""
-        want = {"model": self.name, **labels}
-        total = 0.0
-        for line in requests.get(f"{self.metrics}/metrics", timeout=10).text.splitlines():
-            if not line.startswith(series + "{"):
-                continue
-            label_text, value = line[len(series) + 1:].rsplit("} ", 1)
-            got = dict(part.split("=", 1) for part in label_text.split(","))
-            if all(got.get(k) == f'"{v}"' for k, v in want.items()):
-                total += float(value)
-        return total
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90) -> int:
         if self.proc.poll() is None:
@@ -86,7 +69,8 @@ def _start_once(model: Path, workdir: Path, name: str, extra: list[str] | None) 
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    server = Server(proc, name, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}", log)
+    server = Server(name=name, http=f"http://127.0.0.1:{http}", grpc=f"127.0.0.1:{grpc}",
+                    metrics=f"http://127.0.0.1:{metrics}", proc=proc, log=log)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -94,11 +78,8 @@ def _start_once(model: Path, workdir: Path, name: str, extra: list[str] | None) 
             if "already in use" in tail:
                 raise PortTaken(tail)
             raise RuntimeError(f"llmhost serve exited with {proc.returncode}:\n{tail}")
-        try:
-            if requests.get(f"{server.http}/v2/models/{name}/ready", timeout=2).status_code == 200:
-                return server
-        except requests.RequestException:
-            pass
+        if server.model_ready(timeout_s=2):
+            return server
         time.sleep(1)
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"server not ready after {READY_TIMEOUT_S}s:\n{server.log_tail()}")

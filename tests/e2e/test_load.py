@@ -3,15 +3,11 @@ zero errors, every stream complete, memory bounded."""
 
 from __future__ import annotations
 
-from tests.e2e._load import run_load
+from tests.e2e._load import assert_clean_and_bounded, run_load, tree_rss_mib
+from tests.e2e._server import Server
 
 
-def test_short_load_at_concurrency_32(server):
-    report = run_load(server.http, server.name, server.proc.pid, concurrency=32, duration_s=45)
-    r = report.result
-    print(f"\nload: {r.requests} requests in {r.duration_s:.0f}s, {r.output_tokens_per_s:.0f} tok/s, "
-          f"{r.errors} errors; RSS {report.rss_start_mib:.0f} -> {report.rss_end_mib:.0f} MiB")
-    assert r.requests >= 32 and r.errors == 0, r.first_error
-    # Bounded growth: the KV cache and allocator are warm already; allow slack for
-    # Python's arenas, never a leak that scales with requests.
-    assert report.rss_end_mib < report.rss_start_mib * 1.25 + 200
+def test_short_load_at_concurrency_32(server: Server) -> None:
+    report = run_load(server.http, server.name, lambda: tree_rss_mib(server.proc.pid), concurrency=32,
+                      duration_s=45)
+    assert_clean_and_bounded(report, "load")
