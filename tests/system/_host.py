@@ -165,6 +165,14 @@ class BootedHost:
             raise HostError(f"in {self.name}: {argv} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         return proc
 
+    def popen(self, cmd: str) -> subprocess.Popen[str]:
+        """Start ``sh -c CMD`` inside the host without waiting; its stdin, stdout and
+        stderr are text pipes (``communicate()`` sends input and collects output)."""
+        return subprocess.Popen(
+            [sys.executable, str(TESTHOST), "exec", "--name", self.name, "--", "sh", "-c", cmd],
+            text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+
     def ssh(self, cmd: str, *, timeout: float = 300.0, check: bool = False) -> subprocess.CompletedProcess[str]:
         """Run CMD as root over SSH (the way Ansible reaches the host)."""
         argv = [

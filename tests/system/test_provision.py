@@ -8,25 +8,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import requests
 from _converge import Converged, recap, run_playbook
+from _unit import wait_ready
 
 LLMHOST = Path(sys.executable).parent / "llmhost"
-
-
-def _ready(url: str, timeout_s: float = 300) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/v2/models/tiny/ready", timeout=3).status_code == 200:
-                return True
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    return False
 
 
 def test_converge_reports_changes(converged: Converged):
@@ -59,6 +46,19 @@ def test_env_file_and_model_permissions(converged: Converged):
     # The service user can read the model repository but not change it.
     r = host.exec("runuser -u llmhost -- sh -c 'touch /opt/llmhost/models/x' ; echo $?")
     assert r.stdout.strip().splitlines()[-1] != "0"
+    # Directories: the configuration readable by the service's group only, the state
+    # directory the service's alone, the unit root's.
+    for path, want in (("/etc/llmhost", "750 root llmhost"), ("/var/lib/llmhost", "750 llmhost llmhost"),
+                       ("/etc/systemd/system/tritonserver.service", "644 root root")):
+        assert host.exec(f"stat -c '%a %U %G' {path}").stdout.strip() == want, path
+    # Models and weights: root's, nothing writable by group or others, nothing owned
+    # by the service user, and the service user can read every file.
+    for tree in ("/opt/llmhost/models", "/opt/llmhost/weights"):
+        r = host.exec(f"find {tree} \\( -perm /022 -o ! -user root \\) -printf '%p %u %m\\n'")
+        assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
+        r = host.exec(f"runuser -u llmhost -- find {tree} -type f ! -readable")
+        assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
+    assert host.exec("ls /opt/llmhost/models/tiny").stdout.split() == ["1", "config.pbtxt", "model.json"]
 
 
 def test_smoke_from_this_machine(converged: Converged):
@@ -90,7 +90,7 @@ def test_restart_comes_back_ready_and_journal_has_the_server_log(converged: Conv
     host = converged.host
     r = host.exec(["systemctl", "restart", "tritonserver"])
     assert r.returncode == 0, r.stderr
-    assert _ready(converged.triton_http), host.exec("journalctl -u tritonserver -n 40 --no-pager").stdout
+    assert wait_ready(converged.triton_http), host.exec("journalctl -u tritonserver -n 40 --no-pager").stdout
     log = host.exec(["journalctl", "-u", "tritonserver", "--no-pager", "-o", "cat"]).stdout
     assert "Started HTTPService" in log and "successfully loaded 'tiny'" in log
 
@@ -103,4 +103,4 @@ def test_preflight_names_a_bad_variable(converged: Converged, tmp_path: Path):
     assert r.returncode != 0
     assert "llmhost_profile" in r.stdout
     # Nothing was changed: the service still serves.
-    assert _ready(converged.triton_http, timeout_s=30)
+    assert wait_ready(converged.triton_http, timeout_s=30)

@@ -1,0 +1,72 @@
+"""The booted host's tritonserver unit as the system tests see it: its endpoint,
+readiness, properties, processes (by control group), memory and the shared
+memory segments its user owns."""
+
+from __future__ import annotations
+
+import time
+
+from _converge import Converged
+from _host import BootedHost
+from tests.e2e._endpoint import Endpoint
+
+UNIT = "tritonserver"
+USER = "llmhost"
+MODEL = "tiny"
+
+
+def endpoint(c: Converged, model: str = MODEL) -> Endpoint:
+    return Endpoint(name=model, http=c.triton_http, grpc=f"127.0.0.1:{c.ports['grpc']}",
+                    metrics=f"http://127.0.0.1:{c.ports['metrics']}")
+
+
+def wait_ready(url: str, model: str = MODEL, timeout_s: float = 300) -> bool:
+    """True once MODEL's ready endpoint answers 200 (within TIMEOUT_S)."""
+    ep = Endpoint(name=model, http=url, grpc="", metrics="")
+    deadline = time.monotonic() + timeout_s
+    while not ep.model_ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1)
+    return True
+
+
+def props(host: BootedHost, *names: str, unit: str = UNIT) -> dict[str, str]:
+    r = host.exec(["systemctl", "show", unit, *[f"--property={n}" for n in names]], check=True)
+    return dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+
+
+def unit_pids(host: BootedHost, unit: str = UNIT) -> set[int]:
+    """Every process in the unit's control group (any cgroup layout)."""
+    cg = props(host, "ControlGroup", unit=unit)["ControlGroup"]
+    if not cg:
+        return set()
+    r = host.exec(f"for d in /sys/fs/cgroup/unified /sys/fs/cgroup/systemd /sys/fs/cgroup; do "
+                  f"f=$d{cg}/cgroup.procs; if [ -r $f ]; then cat $f; exit 0; fi; done")
+    return {int(p) for p in r.stdout.split()}
+
+
+def processes(host: BootedHost, user: str | None = None) -> dict[int, str]:
+    """pid -> command line of every process in the host (of USER only, if given)."""
+    r = host.exec("ps -eo pid=,user:32=,args=", check=True)
+    out: dict[int, str] = {}
+    for line in r.stdout.splitlines():
+        pid, owner, args = [*line.split(None, 2), ""][:3]
+        if user is None or owner == user:
+            out[int(pid)] = args
+    return out
+
+
+def unit_rss_mib(host: BootedHost, unit: str = UNIT) -> float:
+    """Resident memory of every process in the unit's control group."""
+    pids = unit_pids(host, unit)
+    if not pids:
+        return 0.0
+    r = host.exec(["ps", "-o", "rss=", "-p", ",".join(map(str, sorted(pids)))])
+    return sum(int(x) for x in r.stdout.split()) / 1024
+
+
+def shm_segments(host: BootedHost, user: str = USER) -> set[str]:
+    """Names of the POSIX shared memory segments and semaphores in /dev/shm owned by USER."""
+    r = host.exec(f"find /dev/shm -mindepth 1 -maxdepth 1 -user {user} -printf '%f\\n'")
+    return set(r.stdout.split())

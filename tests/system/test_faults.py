@@ -1,0 +1,351 @@
+"""Faults on the booted host, for real: SIGKILL of tritonserver, `systemctl stop`
+with streams in flight, models whose weights are corrupt or missing, and weights
+staging cut off by a dropped download or a full disk.
+
+The host is shared by every system test: each test here leaves it serving the
+tiny model as the converge left it (restoring in `finally`), so the tests after
+it (a second converge must report changed=0) see the converged state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import re
+import tarfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+from _converge import REPO, Converged, run_playbook
+from _host import BootedHost
+from _unit import MODEL, USER, processes, props, shm_segments, unit_pids, wait_ready
+
+from llmhost.smoke import parse_sse
+
+# Generous bounds that define the behaviour, not performance targets.
+RECOVERY_TIMEOUT_S = 300  # triton_service_ready_timeout_s: how long the play itself waits
+STREAM_TOKENS = 450  # the tiny model's max_model_len is 512
+FAULTS_DIR = "/srv/llmhost-faults"  # scratch space in the host
+
+
+def _demo_models() -> list[dict[str, Any]]:
+    return list(yaml.safe_load((REPO / "inventory" / "demo.yml").read_text())["llmhost_models"])
+
+
+def _vars(c: Converged, path: Path, **extra: Any) -> Path:
+    """The converge's extra vars plus EXTRA, as a file for `-e @file`."""
+    path.write_text(json.dumps({**json.loads(c.extra_vars.read_text()), **extra}))
+    return path
+
+
+def _failed_msgs(out: str) -> str:
+    """The `msg` of every failed task in ansible-playbook's output (one string)."""
+    return "\n".join(m.group(0) for m in re.finditer(r"fatal: \[.*?(?=\n\S|\Z)", out, re.S))
+
+
+# -- SIGKILL ---------------------------------------------------------------------------
+
+
+def test_sigkill_of_tritonserver_restarts_it_without_orphans_or_shm(converged: Converged):
+    host = converged.host
+    assert wait_ready(converged.triton_http, timeout_s=RECOVERY_TIMEOUT_S)
+    before = props(host, "MainPID", "NRestarts")
+    old_pids = unit_pids(host)
+    old_procs = processes(host, USER)
+    assert any("EngineCore" in a for a in old_procs.values()), old_procs  # the engine runs in its own process
+    assert set(old_procs) <= old_pids, "a process of the service user outside the unit's control group"
+    old_shm = shm_segments(host)
+
+    t0 = time.monotonic()
+    host.exec(["kill", "-KILL", before["MainPID"]], check=True)
+    assert wait_ready(converged.triton_http, timeout_s=RECOVERY_TIMEOUT_S), host.exec(
+        "journalctl -u tritonserver -n 60 --no-pager").stdout
+    recovery_s = time.monotonic() - t0
+
+    after = props(host, "MainPID", "NRestarts", "ActiveState")
+    assert after["ActiveState"] == "active"
+    assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1, (before, after)
+    assert after["MainPID"] != before["MainPID"]
+    # No process of the killed instance is left, anywhere in the host.
+    survivors = {pid: args for pid, args in processes(host).items() if pid in old_pids}
+    assert not survivors, f"orphaned processes of the killed instance: {survivors}"
+    # Every process of the service user is in the new instance's control group.
+    assert set(processes(host, USER)) <= unit_pids(host)
+    # No shared memory segment of the killed instance is left (RemoveIPC=, KillMode=control-group).
+    left = old_shm & shm_segments(host)
+    assert not left, f"/dev/shm segments of the killed instance: {left}"
+    log = host.exec("journalctl -u tritonserver --no-pager -o cat -n 400").stdout
+    assert "status=9/KILL" in log
+    print(f"\nSIGKILL -> ready again in {recovery_s:.1f} s (RestartSec "
+          f"{props(host, 'RestartUSec')['RestartUSec']}); {len(old_pids)} processes and "
+          f"{len(old_shm)} shm segments of the killed instance, none left")
+
+
+# -- stop with streams in flight -------------------------------------------------------
+
+
+@dataclass
+class _Stream:
+    events: list[dict[str, Any]] = field(default_factory=list)
+    started: threading.Event = field(default_factory=threading.Event)
+    last_event_at: float = 0.0
+    error: str | None = None
+
+
+def _stream(url: str, out: _Stream) -> None:
+    body = {"text_input": "def main():", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True,
+            "return_num_output_tokens": True, "return_finish_reason": True}
+    try:
+        with requests.post(f"{url}/v2/models/{MODEL}/generate_stream", json=body, stream=True, timeout=120) as r:
+            for line in r.iter_lines(chunk_size=1, decode_unicode=True):
+                if line:
+                    out.events.extend(parse_sse([line]))
+                    out.last_event_at = time.monotonic()
+                    out.started.set()
+    except requests.RequestException as exc:
+        out.error = str(exc)
+    out.started.set()
+
+
+def test_stop_drains_streams_in_flight_then_stops(converged: Converged):
+    host = converged.host
+    assert wait_ready(converged.triton_http, timeout_s=RECOVERY_TIMEOUT_S)
+    unit = host.exec(["systemctl", "cat", "tritonserver"], check=True).stdout
+    timeout_stop_s = int(re.findall(r"^TimeoutStopSec=(\d+)$", unit, re.M)[-1])
+    drain_s = int(re.findall(r"--exit-timeout-secs=(\d+)", unit)[-1]) - 30  # llmhost_drain_timeout_s
+    old_pids = unit_pids(host)
+    streams = [_Stream() for _ in range(48)]
+    threads = [threading.Thread(target=_stream, args=(converged.triton_http, s)) for s in streams]
+    # `systemctl stop` waits in the host for a line on stdin: starting a process while
+    # vLLM keeps both cores busy takes seconds, sending a line does not.
+    stopper = host.popen("read go && exec systemctl stop tritonserver")
+    try:
+        for t in threads:
+            t.start()
+        for s in streams:
+            assert s.started.wait(timeout=120) and s.error is None, s.error
+        t0 = time.monotonic()
+        out, err = stopper.communicate("go\n", timeout=600)
+        stop_s = time.monotonic() - t0
+        assert stopper.returncode == 0, out + err
+        for t in threads:
+            t.join(timeout=120)
+        for s in streams:
+            assert s.error is None, s.error
+            final = s.events[-1]
+            assert final.get("num_output_tokens") == STREAM_TOKENS, f"a stream was cut short: {final}"
+            assert final.get("finish_reason") == "length", final
+        state = props(host, "ActiveState", "Result", "ActiveExitTimestampMonotonic")
+        # Many were still in flight when the stop began (same monotonic clock: one kernel);
+        # the tiny model finishes the others within a second or two of starting them.
+        stop_began = int(state.pop("ActiveExitTimestampMonotonic")) / 1e6
+        late = sorted(round(s.last_event_at - stop_began, 2) for s in streams if s.last_event_at > stop_began)
+        assert len(late) >= 8, f"only {len(late)} streams were in flight when the stop began"
+        assert state == {"ActiveState": "inactive", "Result": "success"}, state  # no SIGKILL on timeout
+        assert stop_s < timeout_stop_s, f"stop took {stop_s:.0f} s; TimeoutStopSec {timeout_stop_s}"
+        assert not set(processes(host)) & old_pids, "processes left after the stop"
+        assert not shm_segments(host), "shared memory left after the stop"
+    finally:
+        if stopper.poll() is None:
+            stopper.kill()
+        t1 = time.monotonic()
+        host.exec(["systemctl", "start", "tritonserver"], check=True)
+        ready = wait_ready(converged.triton_http, timeout_s=RECOVERY_TIMEOUT_S)
+        start_s = time.monotonic() - t1
+    assert ready, host.exec("journalctl -u tritonserver -n 60 --no-pager").stdout
+    print(f"\nstop with {len(late)} of {len(streams)} streams x {STREAM_TOKENS} tokens in flight: all complete "
+          f"({late[0]:.1f}-{late[-1]:.1f} s after the stop began), unit stopped in {stop_s:.1f} s "
+          f"(drain timeout {drain_s} s, TimeoutStopSec {timeout_stop_s}); start -> ready in {start_s:.1f} s")
+
+
+# -- corrupt or missing weights --------------------------------------------------------
+
+
+def test_bad_weights_fail_the_play_naming_the_models_while_the_others_serve(converged: Converged,
+                                                                         tmp_path: Path):
+    """A model whose safetensors are corrupt and one whose weight files are missing:
+    the play fails naming both, with the unit's journal; Triton (--exit-on-error=false)
+    keeps serving the good model. Restored afterwards with state: absent."""
+    host = converged.host
+    staged = host.exec("ls -d /opt/llmhost/weights/tiny/*/ | head -1", check=True).stdout.strip().rstrip("/")
+    host.exec(f"rm -rf {FAULTS_DIR}/bad && mkdir -p {FAULTS_DIR}/bad && "
+              f"cp -a {staged} {FAULTS_DIR}/bad/corrupt && cp -a {staged} {FAULTS_DIR}/bad/noweights && "
+              # Keep the size, overwrite the header and the first tensors with junk.
+              f"dd if=/dev/urandom of={FAULTS_DIR}/bad/corrupt/model.safetensors bs=4096 count=64 "
+              f"conv=notrunc status=none && rm -f {FAULTS_DIR}/bad/noweights/*.safetensors", check=True)
+    good = _demo_models()
+    bad = [{"name": n, "source": "local", "path": f"{FAULTS_DIR}/bad/{n}", "max_model_len": 512}
+           for n in ("corrupt", "noweights")]
+    try:
+        t0 = time.monotonic()
+        r = run_playbook(converged.inventory, _vars(converged, tmp_path / "bad.json", llmhost_models=good + bad),
+                         converged.host.pip_vars_file, "site.yml")
+        fail_s = time.monotonic() - t0
+        assert r.returncode != 0, r.stdout[-4000:]
+        msg = _failed_msgs(r.stdout)
+        assert "Model(s) corrupt, noweights did not load" in msg, msg[-6000:]
+        print(f"\nbad weights: {msg[:1500]}")
+        assert "Error lines of the unit's journal" in msg and "tritonserver[" in msg, msg[-6000:]
+        assert "the other models still serve" in msg
+        # What Triton allows: the good model still serves; the bad ones are unavailable.
+        assert requests.get(f"{converged.triton_http}/v2/models/{MODEL}/ready", timeout=10).status_code == 200
+        out = requests.post(f"{converged.triton_http}/v2/models/{MODEL}/generate",
+                            json={"text_input": "ok", "max_tokens": 4}, timeout=60)
+        assert out.status_code == 200 and "text_output" in out.json(), out.text
+        for name in ("corrupt", "noweights"):
+            assert requests.get(f"{converged.triton_http}/v2/models/{name}/ready", timeout=10).status_code == 400
+        # Strict readiness: the server as a whole is not ready, so a load balancer drains it.
+        assert requests.get(f"{converged.triton_http}/v2/health/ready", timeout=10).status_code == 400
+        assert props(host, "ActiveState")["ActiveState"] == "active"
+    finally:
+        gone = [{**m, "state": "absent"} for m in bad]
+        restore = run_playbook(converged.inventory, _vars(converged, tmp_path / "restore.json",
+                                                          llmhost_models=good + gone),
+                               converged.host.pip_vars_file, "site.yml")
+        host.exec(f"rm -rf {FAULTS_DIR}/bad")
+    assert restore.returncode == 0, restore.stdout[-6000:]
+    assert requests.get(f"{converged.triton_http}/v2/health/ready", timeout=10).status_code == 200
+    assert host.exec("ls /opt/llmhost/models").stdout.split() == [MODEL]
+    print(f"\ncorrupt + missing weights: the play failed after {fail_s:.0f} s naming both models; "
+          f"{MODEL} kept serving")
+
+
+def test_missing_local_weights_fail_before_anything_changes(converged: Converged, tmp_path: Path):
+    playbook = _staging_playbook(tmp_path)
+    model = {"name": "nowhere", "source": "local", "path": f"{FAULTS_DIR}/does-not-exist"}
+    r = run_playbook(converged.inventory, _vars(converged, tmp_path / "v.json", llmhost_models=[model]),
+                     converged.host.pip_vars_file, str(playbook), "--tags", "preflight,install")
+    assert r.returncode != 0
+    assert "the path of local model(s) nowhere does not exist" in _failed_msgs(r.stdout), r.stdout[-4000:]
+
+
+# -- staging: interrupted download, full disk --------------------------------------------
+
+
+def _staging_playbook(tmp_path: Path) -> Path:
+    """Only the model_repository role: staging without touching the running service."""
+    path = tmp_path / "stage.yml"
+    path.write_text(yaml.safe_dump([{"name": "Stage weights", "hosts": "inference", "become": True,
+                                     "gather_facts": False, "roles": [{"role": "model_repository"}]}]))
+    return path
+
+
+class _Archive(http.server.ThreadingHTTPServer):
+    """Serves one file on 127.0.0.1 (the host shares this machine's network); the
+    first ``drop_first`` GETs send the full Content-Length, half the body, and hang up."""
+
+    def __init__(self, payload: bytes, drop_first: int) -> None:
+        self.payload, self.drop_first, self.gets = payload, drop_first, 0
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/tiny.tar.gz"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Archive
+
+    def do_GET(self) -> None:
+        srv = self.server
+        srv.gets += 1
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(srv.payload)))
+        self.end_headers()
+        if srv.gets <= srv.drop_first:
+            self.wfile.write(srv.payload[: len(srv.payload) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(srv.payload)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def archive(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[_Archive, str]]:
+    """The tiny model as a .tar.gz on a local HTTP server, and its sha256."""
+    tgz = tmp_path / "tiny.tar.gz"
+    with tarfile.open(tgz, "w:gz") as tar:
+        tar.add(tiny_model, arcname="tiny")
+    payload = tgz.read_bytes()
+    srv = _Archive(payload, drop_first=0)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield srv, hashlib.sha256(payload).hexdigest()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _stage(c: Converged, tmp_path: Path, name: str, weights_dir: str, url: str, sha: str) -> tuple[int, str]:
+    model = {"name": name, "source": "url", "url": url, "sha256": sha, "archive_root": "tiny"}
+    r = run_playbook(c.inventory, _vars(c, tmp_path / f"{name}.json", llmhost_models=[model],
+                                        model_repository_weights_dir=weights_dir),
+                     c.host.pip_vars_file, str(_staging_playbook(tmp_path)), "--tags", "preflight,install")
+    return r.returncode, r.stdout
+
+
+def _staged(host: BootedHost, weights_dir: str, name: str) -> list[str]:
+    return host.exec(f"cd {weights_dir}/{name} 2>/dev/null && ls -1A").stdout.split()
+
+
+def test_interrupted_download_fails_naming_the_model_and_a_rerun_completes(
+        converged: Converged, archive: tuple[_Archive, str], tmp_path: Path):
+    host, (srv, sha) = converged.host, archive
+    weights = f"{FAULTS_DIR}/dropped"
+    srv.drop_first = 1
+    try:
+        rc, out = _stage(converged, tmp_path, "dropped", weights, srv.url, sha)
+        assert rc != 0 and srv.gets == 1, out[-4000:]
+        msg = _failed_msgs(out)
+        assert "Staging the weights of dropped failed" in msg, msg or out[-4000:]
+        print(f"\ninterrupted download: {msg}")
+        assert "download was interrupted or corrupt" in msg and "run the play again to resume" in msg, msg
+        assert _staged(host, weights, "dropped") == [], "something was marked staged"
+        assert host.exec(f"ls -A {weights}/.downloads").stdout.split() == [], "a partial archive was kept"
+
+        rc, out = _stage(converged, tmp_path, "dropped", weights, srv.url, sha)
+        assert rc == 0, out[-6000:]
+        staged = _staged(host, weights, "dropped")
+        assert len(staged) == 1 and not staged[0].endswith(".partial"), staged
+        assert host.exec(f"test -s {weights}/dropped/{staged[0]}/tiny/model.safetensors").returncode == 0
+    finally:
+        host.exec(f"rm -rf {weights}")
+
+
+def test_disk_full_while_staging_fails_clearly_and_a_rerun_after_freeing_space_succeeds(
+        converged: Converged, archive: tuple[_Archive, str], tiny_model: Path, tmp_path: Path):
+    host, (srv, sha) = converged.host, archive
+    weights = f"{FAULTS_DIR}/full"
+    # Room for the archive but not for the extracted weights next to it.
+    size_kib = (len(srv.payload) + sum(f.stat().st_size for f in tiny_model.rglob("*")) // 3) // 1024
+    host.exec(f"mkdir -p {weights} && mount -t tmpfs -o size={size_kib}k llmhost-full {weights}", check=True)
+    try:
+        rc, out = _stage(converged, tmp_path, "full", weights, srv.url, sha)
+        assert rc != 0, out[-4000:]
+        msg = _failed_msgs(out)
+        assert "Staging the weights of full failed" in msg, msg or out[-4000:]
+        print(f"\ndisk full: {msg}")
+        assert "is full: free space" in msg and "run the play again to resume" in msg, msg
+        assert not [d for d in _staged(host, weights, "full") if not d.endswith(".partial")], "marked complete"
+
+        host.exec(f"mount -o remount,size=256m {weights}", check=True)  # free space
+        rc, out = _stage(converged, tmp_path, "full", weights, srv.url, sha)
+        assert rc == 0, out[-6000:]
+        staged = _staged(host, weights, "full")
+        assert len(staged) == 1 and not staged[0].endswith(".partial"), staged
+        assert host.exec(f"test -s {weights}/full/{staged[0]}/tiny/model.safetensors").returncode == 0
+        assert srv.gets == 1, "the verified archive was downloaded again"
+    finally:
+        host.exec(f"umount {weights}; rm -rf {weights}")

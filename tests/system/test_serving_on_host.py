@@ -1,0 +1,50 @@
+"""Bad input at scale and a short load against the booted host's tritonserver unit,
+the way clients reach a real server: the e2e fuzzer (tests/e2e/_fuzz.py, 2,000
+cases per endpoint for HTTP /generate and gRPC), 100 clients disconnecting
+mid-stream, and 30 s at concurrency 32 with zero errors and the memory of the
+unit's control group bounded. The unit must neither restart nor crash meanwhile."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from _converge import Converged
+from _unit import endpoint, props, unit_rss_mib, wait_ready
+from tests.e2e._endpoint import Endpoint
+from tests.e2e._fuzz import EXAMPLES, disconnect_mid_stream, fuzz_grpc, fuzz_http_generate
+from tests.e2e._load import assert_clean_and_bounded, run_load
+
+LOAD_S = 30
+
+
+@pytest.fixture
+def serving(converged: Converged) -> Iterator[Endpoint]:
+    """The host's endpoint; afterwards, the unit has not restarted."""
+    assert wait_ready(converged.triton_http, timeout_s=300)
+    before = props(converged.host, "MainPID", "NRestarts")
+    yield endpoint(converged)
+    after = props(converged.host, "MainPID", "NRestarts", "ActiveState")
+    assert after.pop("ActiveState") == "active" and after == before, (before, after)
+
+
+def test_fuzz_http_generate_on_host(serving: Endpoint):
+    seen = fuzz_http_generate(serving)
+    print(f"\nHTTP /generate on the host: {sum(seen.values())} cases, {seen}")
+    assert sum(seen.values()) >= EXAMPLES
+
+
+def test_fuzz_grpc_on_host(serving: Endpoint):
+    seen = fuzz_grpc(serving)
+    print(f"\ngRPC stream on the host: {sum(seen.values())} cases, {seen}")
+    assert sum(seen.values()) >= EXAMPLES
+
+
+def test_100_clients_disconnecting_mid_stream_on_host(serving: Endpoint):
+    disconnect_mid_stream(serving, clients=100)
+
+
+def test_short_load_on_host(serving: Endpoint, converged: Converged):
+    report = run_load(serving.http, serving.name, lambda: unit_rss_mib(converged.host), concurrency=32,
+                      duration_s=LOAD_S)
+    assert_clean_and_bounded(report, f"load on the host, concurrency 32 for {LOAD_S} s")
