@@ -33,6 +33,18 @@ class PlaybookRun:
     def recap(self) -> dict[str, dict[str, int]]:
         return parse_recap(self.output)
 
+    def failure(self) -> str:
+        """The output from the first failed task on, as one line (see unwrap)."""
+        assert self.rc != 0, f"the play passed but should have failed:\n{self.output}"
+        starts = [i for i in (self.output.find("fatal: ["), self.output.find("failed: [")) if i >= 0]
+        assert starts, self.output
+        return unwrap(self.output[min(starts) :])
+
+
+def unwrap(output: str) -> str:
+    """Output as one line: the YAML callback wraps long messages and doubles quotes in them."""
+    return " ".join(output.split()).replace("''", "'")
+
 
 def parse_recap(output: str) -> dict[str, dict[str, int]]:
     """{host: {ok: N, changed: N, ...}} from the PLAY RECAP of ansible-playbook."""

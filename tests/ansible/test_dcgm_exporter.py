@@ -49,12 +49,6 @@ def run(tmp_path: Path, tags: str, **variables: Any) -> PlaybookRun:
                             "--tags", tags, "--check", "--diff", str(play))
 
 
-def failure(run: PlaybookRun) -> str:
-    assert run.rc != 0, f"the play passed but should have failed:\n{run.output}"
-    start = min(i for i in (run.output.find("fatal: ["), run.output.find("failed: [")) if i >= 0)
-    return " ".join(run.output[start:].split())
-
-
 def test_gpu_host_plan_names_packages_for_the_driver_cuda_major(tmp_path: Path) -> None:
     r = run(tmp_path, "preflight")
     assert r.rc == 0, r.output
@@ -75,7 +69,7 @@ def test_cpu_profile_skips_with_a_message(tmp_path: Path) -> None:
 
 def test_no_working_driver_fails_naming_the_fix(tmp_path: Path) -> None:
     r = run(tmp_path, "preflight", smi=fake_smi(tmp_path, None))
-    msg = failure(r)
+    msg = r.failure()
     assert "dcgm_exporter needs a working NVIDIA driver" in msg
     assert "could not communicate" in msg and "dcgm_exporter_enabled to false" in msg
 
@@ -105,7 +99,7 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
 def test_bad_settings_fail_in_preflight_by_name(tmp_path: Path, name: str, override: dict[str, Any],
                                                 needle: str) -> None:
     r = run(tmp_path, "preflight", **override)
-    assert needle in failure(r)
+    assert needle in r.failure()
     assert r.recap()["localhost"]["changed"] == 0
 
 
