@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
     s.add_argument("--engine-arg", type=_engine_arg, action="append", default=[], metavar="KEY=VALUE",
                    help="extra vLLM engine argument (value parsed as JSON when it can be)")
+    s.add_argument("--setting", type=_engine_arg, action="append", default=[], metavar="KEY=VALUE",
+                   help="a backend setting of model.json's llmhost section, e.g. --setting stream_interval_ms=20")
     s.add_argument("--triton-arg", action="append", default=[], metavar="--FLAG=VALUE",
                    help="extra tritonserver argument, e.g. --triton-arg=--http-thread-count=32")
 
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             grpc_port=args.grpc_port, metrics_port=args.metrics_port, workdir=args.workdir,
             device=args.device, max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
             max_n=args.max_n, drain_timeout_s=args.drain_timeout, kv_cache_gib=args.kv_cache_gib,
-            engine_args=dict(args.engine_arg), triton_args=list(args.triton_arg),
+            engine_args=dict(args.engine_arg), settings=dict(args.setting), triton_args=list(args.triton_arg),
         )
         try:
             return run(opts)

@@ -44,6 +44,7 @@ class ServeOptions:
     drain_timeout_s: float = 30.0
     kv_cache_gib: int = 1
     engine_args: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)  # model.json's "llmhost" settings
     log_verbose: int = 0
     triton_args: list[str] = field(default_factory=list)
 
@@ -66,6 +67,7 @@ def model_entry(opts: ServeOptions, device: str) -> dict[str, Any]:
         "kind": "KIND_CPU" if device == "cpu" else "KIND_GPU",
         "instance_count": 1,
         "engine_args": engine,
+        "settings": dict(opts.settings),
         "default_max_tokens": opts.default_max_tokens,
         "max_n": opts.max_n,
         "drain_timeout_s": opts.drain_timeout_s,

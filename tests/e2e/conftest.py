@@ -10,7 +10,9 @@ from tests.e2e._server import Server, start_server, wait_gone
 
 @pytest.fixture(scope="session")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tiny_model, tmp_path_factory.mktemp("serve"))
+    # Two response threads, so every e2e test also covers streams spread over
+    # several I/O threads (the default is one).
+    srv = start_server(tiny_model, tmp_path_factory.mktemp("serve"), extra=["--setting", "response_threads=2"])
     yield srv
     kids = srv.descendants()
     srv.stop()

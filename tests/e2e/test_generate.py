@@ -40,6 +40,18 @@ def test_stream_equals_non_stream(server):
     assert counts == sorted(counts) and counts[-1] == 24
 
 
+def test_stream_window_merges_deltas_and_loses_none(server):
+    """The default stream_interval_ms (20) merges later deltas: fewer events than tokens, same text."""
+    body = {"text_input": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+            "exclude_input_in_output": True, "return_num_output_tokens": True}
+    full = generate(server, **body)["text_output"]
+    events = stream(server, **body)
+    counts = [e["num_output_tokens"] for e in events]
+    assert 1 < len(events) < 200
+    assert counts[0] >= 1 and counts == sorted(set(counts)) and counts[-1] == 200
+    assert "".join(e["text_output"] for e in events) == full
+
+
 def test_grpc_stream_matches_http(server):
     body = {"text_input": PROMPT, "max_tokens": 20, "ignore_eos": True, "temperature": 0,
             "exclude_input_in_output": True}

@@ -13,6 +13,9 @@ def test_split_engine_args_and_settings():
     assert cfg.engine_args == {"model": "/m", "max_model_len": 64}
     assert cfg.settings.default_max_tokens == 100
     assert cfg.settings.max_n == BackendSettings().max_n
+    assert (cfg.settings.response_threads, cfg.settings.stream_interval_ms) == (1, 20.0)
+    cfg = parse_model_config({"model": "/m", "llmhost": {"response_threads": 4, "stream_interval_ms": 0}})
+    assert (cfg.settings.response_threads, cfg.settings.stream_interval_ms) == (4, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -26,6 +29,12 @@ def test_split_engine_args_and_settings():
         ({"model": "/m", "llmhost": {"default_max_tokens": "5"}}, "must be an integer"),
         ({"model": "/m", "llmhost": {"drain_timeout_s": -1}}, "must be >= 0"),
         ({"model": "/m", "llmhost": {"exclude_input_in_output": 1}}, "true or false"),
+        ({"model": "/m", "llmhost": {"response_threads": 0}}, "llmhost.response_threads must be >= 1"),
+        ({"model": "/m", "llmhost": {"response_threads": 2.5}}, "must be an integer"),
+        ({"model": "/m", "llmhost": {"response_threads": 65}}, "llmhost.response_threads must be <= 64"),
+        ({"model": "/m", "llmhost": {"stream_interval_ms": -1}}, "llmhost.stream_interval_ms must be >= 0"),
+        ({"model": "/m", "llmhost": {"stream_interval_ms": 5000}}, "llmhost.stream_interval_ms must be <= 1000"),
+        ({"model": "/m", "llmhost": {"stream_interval_ms": "20"}}, "must be a number"),
     ],
 )
 def test_bad_config(raw, needle):

@@ -62,3 +62,19 @@ def test_serve_passes_extra_tritonserver_arguments_last(tmp_path: Path):
     cmd = server_command(triton, tmp_path, ServeOptions(model=tmp_path, triton_args=args.triton_arg), "cpu")
     assert cmd[-2:] == ["--http-thread-count=32", "--log-info=false"]
     assert f"--model-repository={tmp_path / 'models'}" in cmd
+
+
+def test_backend_settings_reach_model_json_and_win(tmp_path: Path):
+    from llmhost.backend.config import load_model_config
+    from llmhost.cli import build_parser
+    from llmhost.serve import ServeOptions, model_entry
+
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--setting", "stream_interval_ms=0",
+                                      "--setting", "response_threads=2", "--default-max-tokens", "64"])
+    opts = ServeOptions(model=tmp_path, default_max_tokens=args.default_max_tokens, settings=dict(args.setting))
+    d = make_model_dir(tmp_path / "repo", model_entry(opts, "cpu"))
+    settings = load_model_config(d / "model.json").settings
+    assert (settings.stream_interval_ms, settings.response_threads, settings.default_max_tokens) == (0.0, 2, 64)
+    model = {"name": "m", "path": "/m", "default_max_tokens": 64, "settings": {"default_max_tokens": 32}}
+    d = make_model_dir(tmp_path / "repo2", model)
+    assert json.loads((d / "model.json").read_text())["llmhost"]["default_max_tokens"] == 32

@@ -2,8 +2,9 @@
 
 The I/O thread takes everything queued at once; when several engine steps of the
 same stream are waiting (the server is busy), they leave as one response instead
-of one round trip each. Nothing is held back to wait for more: an idle server
-still sends every step at once, a busy one sends fewer, larger responses.
+of one round trip each. ``StreamWindow`` may also hold a started stream's deltas
+for a bounded time (``stream_interval_ms``) so that they merge even on an idle
+server; with no window nothing is held back.
 """
 
 from __future__ import annotations
@@ -46,3 +47,70 @@ def coalesce(items: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
                 open_chunk.pop(id(sink), None)
             out.append(item)
     return out
+
+
+class StreamWindow:
+    """Hold a stream's later deltas for up to ``window_s`` so they leave as one response.
+
+    Each response is a synchronous round trip to tritonserver, and every one of
+    them costs CPU in the stub, in tritonserver and in the client. With a window,
+    a stream's first response and its final one still leave at once (time to
+    first token and end-to-end latency do not change); the deltas in between wait
+    at most ``window_s`` and merge. ``window_s = 0`` sends everything at once.
+    Only the sending thread uses an instance: no locking.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.held: dict[int, tuple[Any, Chunk, float]] = {}  # id(sink) -> (sink, merged chunk, due)
+        self.started: dict[int, Any] = {}  # sinks whose first response left; kept alive while open
+
+    def admit(self, items: list[tuple[str, Any, Any]], now: float) -> list[tuple[str, Any, Any]]:
+        """Items to send now, in order; later deltas of started streams are held."""
+        out: list[tuple[str, Any, Any]] = []
+        for item in items:
+            kind, sink, payload = item
+            key = id(sink)
+            if kind == "chunk":
+                held = self.held.pop(key, None)
+                due = now + self.window_s
+                if held is not None:
+                    payload = merge(held[1], payload)
+                    due = held[2]
+                if payload.final:
+                    self.started.pop(key, None)
+                elif self.window_s > 0 and key in self.started:
+                    self.held[key] = (sink, payload, due)
+                    continue
+                else:
+                    self.started[key] = sink
+                out.append(("chunk", sink, payload))
+            elif kind == "error":
+                # What was generated before the error still goes first.
+                held = self.held.pop(key, None)
+                if held is not None:
+                    out.append(("chunk", sink, held[1]))
+                self.started.pop(key, None)
+                out.append(item)
+            else:
+                out.append(item)
+        return out
+
+    def due(self, now: float) -> list[tuple[str, Any, Any]]:
+        """Held deltas whose wait is over."""
+        ready = [key for key, (_, _, due) in self.held.items() if due <= now]
+        return [("chunk", self.held[key][0], self.held.pop(key)[1]) for key in ready]
+
+    def next_due(self) -> float | None:
+        return min((due for _, _, due in self.held.values()), default=None)
+
+    def drain(self) -> list[tuple[str, Any, Any]]:
+        """Everything held, at once (on shutdown)."""
+        out = [("chunk", sink, chunk) for sink, chunk, _ in self.held.values()]
+        self.held.clear()
+        return out
+
+    def forget(self, sink: Any) -> None:
+        """The stream ended outside this window (a failed send): drop its state."""
+        self.held.pop(id(sink), None)
+        self.started.pop(id(sink), None)

@@ -34,6 +34,12 @@ class BackendSettings:
     exclude_input_in_output: bool = False
     # Push aggregated metrics to tritonserver this often (seconds).
     metrics_interval_s: float = 1.0
+    # Threads sending responses to tritonserver. Each send waits for tritonserver
+    # to take the response; several threads keep several sends in flight.
+    response_threads: int = 1
+    # A stream's deltas after its first response may wait up to this long (ms)
+    # to leave together as one response; the first and the last never wait.
+    stream_interval_ms: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,19 @@ class ModelConfig:
     settings: BackendSettings
 
 
+# Upper bounds where a larger value is surely a mistake (a typo of units, a runaway thread count).
+MAXIMA: dict[str, float] = {"response_threads": 64, "stream_interval_ms": 1000.0}
+
+
 def _check_setting(name: str, value: Any, default: Any) -> Any:
+    value = _check_type(name, value, default)
+    limit = MAXIMA.get(name)
+    if limit is not None and value > limit:
+        raise ConfigError(f"model.json: llmhost.{name} must be <= {limit:g}, got {value:g}")
+    return value
+
+
+def _check_type(name: str, value: Any, default: Any) -> Any:
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"model.json: llmhost.{name} must be true or false, got {value!r}")

@@ -6,13 +6,17 @@ model directory holds only ``config.pbtxt`` (``backend: "vllm"``) and ``model.js
 Threads in the stub process:
 - Triton's thread calls ``execute()``: parse and validate, schedule, return at once;
 - the engine thread runs vLLM's AsyncLLM in an asyncio loop (engine.py);
-- the I/O thread does every round trip to tritonserver (sending responses,
+- the I/O threads do every round trip to tritonserver (sending responses,
   cancellation checks, metric pushes), so neither of the others ever waits on one.
+  Each send blocks until tritonserver has taken the response, so several I/O
+  threads (``response_threads``) keep several round trips in flight; a stream
+  always stays on one thread, which keeps its responses in order.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import locale
 import queue
@@ -23,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from llmhost.backend.coalesce import coalesce
+from llmhost.backend.coalesce import StreamWindow, coalesce
 from llmhost.backend.config import ConfigError, load_model_config
 from llmhost.backend.engine import Active, Chunk, EngineRunner
 from llmhost.backend.errors import RequestError
@@ -52,8 +56,22 @@ def _pb() -> Any:
     return pb_utils
 
 
+def _freeze_startup_heap() -> None:
+    """Move everything alive after start-up out of the garbage collector's reach.
+
+    The stub holds vLLM, torch and the tokenizer: hundreds of thousands of
+    long-lived objects that every full collection would walk again, holding the
+    GIL and stalling the engine and I/O threads (perf showed the stub spending a
+    large share of its CPU time in gc_collect_main). vLLM's own API server does
+    the same after start-up.
+    """
+    for generation in (0, 1, 2):
+        gc.collect(generation)
+    gc.freeze()
+
+
 class _TritonSink:
-    """Sends one request's results; every call only enqueues work for the I/O thread."""
+    """Sends one request's results; every call only enqueues work for its I/O thread."""
 
     __slots__ = ("active", "done", "flags", "io", "sender")
 
@@ -75,26 +93,23 @@ class _TritonSink:
 
 
 class _TritonIO:
-    """The one thread that talks to tritonserver after execute() returns."""
+    """One thread that talks to tritonserver after execute() returns, for its share of the streams."""
 
     def __init__(self, runner: EngineRunner, metrics: ServingMetrics, interval_s: float, metrics_s: float,
-                 exporter: TritonExporter | None) -> None:
+                 window_s: float, exporter: TritonExporter | None, name: str) -> None:
         self.q: queue.SimpleQueue[tuple[str, Any, Any] | None] = queue.SimpleQueue()
         self.runner = runner
         self.metrics = metrics
         self.interval = interval_s
         self.metrics_s = metrics_s
+        self.window = StreamWindow(window_s)
         self.exporter = exporter
         self.sinks: dict[str, _TritonSink] = {}
-        self.thread = threading.Thread(target=self._run, name="llmhost-triton-io", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def put(self, item: tuple[str, Any, Any]) -> None:
         self.q.put(item)
-
-    def stop(self) -> None:
-        self.q.put(None)
-        self.thread.join(timeout=30)
 
     def _run(self) -> None:
         pb = _pb()
@@ -103,8 +118,12 @@ class _TritonIO:
         last_poll = time.monotonic()
         running = True
         while running:
+            timeout = min(self.interval, self.metrics_s)
+            due = self.window.next_due()
+            if due is not None:
+                timeout = max(0.0, min(timeout, due - time.monotonic()))
             try:
-                first = self.q.get(timeout=min(self.interval, self.metrics_s))
+                first = self.q.get(timeout=timeout) if timeout > 0 else self.q.get_nowait()
             except queue.Empty:
                 first = ("tick", None, None)
             batch = [first]
@@ -116,18 +135,22 @@ class _TritonIO:
             if None in batch:
                 running = False
                 batch = batch[:batch.index(None)]
-            for item in coalesce(batch):  # type: ignore[arg-type]
-                self._handle(pb, final, item)
             now = time.monotonic()
+            for item in self.window.admit(coalesce(batch), now):  # type: ignore[arg-type]
+                self._handle(pb, final, item)
+            for item in self.window.due(now):
+                self._handle(pb, final, item)
             if now - last_poll >= self.interval:
                 # Requests that produced nothing lately (non-streaming ones, long
-                # prefills) still get their cancellation checked.
+                # prefills, held deltas) still get their cancellation checked.
                 for s in list(self.sinks.values()):
                     self._maybe_check(s, now)
                 last_poll = now
             if self.exporter is not None and now - last_flush >= self.metrics_s:
                 self._flush(pb)
                 last_flush = now
+        for item in self.window.drain():
+            self._handle(pb, final, item)
         if self.exporter is not None:
             self._flush(pb)
 
@@ -160,6 +183,7 @@ class _TritonIO:
     def _forget(self, sink: _TritonSink | None) -> None:
         if sink is not None:
             sink.done = True
+            self.window.forget(sink)
             if sink.active is not None:
                 self.sinks.pop(sink.active.request_id, None)
 
@@ -184,6 +208,29 @@ class _TritonIO:
         if want_out:
             tensors.append(pb.Tensor("num_output_tokens", np.array(chunk.num_output_tokens, dtype=np.uint32)))
         return pb.InferenceResponse(output_tensors=tensors)
+
+
+class _TritonIOPool:
+    """``response_threads`` I/O threads; each new stream goes to the next one in turn."""
+
+    def __init__(self, runner: EngineRunner, metrics: ServingMetrics, settings: Any,
+                 exporter: TritonExporter | None) -> None:
+        self.shards = [
+            _TritonIO(runner, metrics, settings.cancel_check_interval_s, settings.metrics_interval_s,
+                      settings.stream_interval_ms / 1000.0, exporter if i == 0 else None, f"llmhost-triton-io-{i}")
+            for i in range(settings.response_threads)
+        ]
+        self.exporter = exporter
+        self._turn = itertools.count()
+
+    def pick(self) -> _TritonIO:
+        return self.shards[next(self._turn) % len(self.shards)]
+
+    def stop(self) -> None:
+        for shard in self.shards:
+            shard.q.put(None)
+        for shard in self.shards:
+            shard.thread.join(timeout=30)
 
 
 class TritonPythonModel:
@@ -226,10 +273,13 @@ class TritonPythonModel:
         # Metric families are made only after the engine is up and dropped in
         # finalize(): made earlier they crash the stub at exit.
         exporter = TritonExporter(pb, args["model_name"], args.get("model_version", "1"))
-        s = self.config.settings
-        self.io = _TritonIO(self.runner, self.metrics, s.cancel_check_interval_s, s.metrics_interval_s, exporter)
+        self.io = _TritonIOPool(self.runner, self.metrics, self.config.settings, exporter)
+        _freeze_startup_heap()
         pb.Logger.log_info(f"[llmhost] model {args['model_name']} ready "
-                           f"(max_model_len {self.runner._max_model_len}, default max_tokens {s.default_max_tokens})")
+                           f"(max_model_len {self.runner._max_model_len}, "
+                           f"default max_tokens {self.config.settings.default_max_tokens}, "
+                           f"{self.config.settings.response_threads} response threads, "
+                           f"stream interval {self.config.settings.stream_interval_ms:g} ms)")
 
     def _apply_placement(self, args: dict[str, Any]) -> None:
         kind = args.get("model_instance_kind", "CPU")
@@ -265,10 +315,10 @@ class TritonPythonModel:
                 self.metrics.inc("vllm:request_failed_total", label="invalid_request")
                 sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(exc))), flags=final)
                 continue
-            sink = _TritonSink(self.io, sender, (job.return_finish_reason, job.return_num_input_tokens,
-                                                 job.return_num_output_tokens))
+            sink = _TritonSink(self.io.pick(), sender, (job.return_finish_reason, job.return_num_input_tokens,
+                                                        job.return_num_output_tokens))
             active = self.runner.submit(job, sink)
-            self.io.put(("track", sink, active.request_id))
+            sink.io.put(("track", sink, active.request_id))
         return None
 
     def finalize(self) -> None:
@@ -282,4 +332,5 @@ class TritonPythonModel:
                 io.exporter.close()
             self.io = None
         self.runner = None
+        gc.unfreeze()  # the frozen start-up heap may be freed now
         gc.collect()
