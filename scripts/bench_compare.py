@@ -20,12 +20,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import psutil
 import requests
 
+from llmhost.backend.config import BackendSettings
 from llmhost.bench import LevelResult, Target, Workload, plot, sweep, table
 from llmhost.tiny_model import write_tiny_model
 
@@ -62,11 +64,36 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     time.sleep(2)  # let the cores go quiet before the next server
 
 
+class StallProbe:
+    """Sleeps 10 ms at a time and sums how late it wakes beyond 100 ms.
+
+    Not part of either server: it tells how much of a run the machine itself lost
+    to stalls (on small VMs every process can stop for seconds at a time), so two
+    runs that differ mainly by such stalls can be told apart in the JSON.
+    """
+
+    def __init__(self) -> None:
+        self.late: list[tuple[float, float]] = []
+        threading.Thread(target=self._run, daemon=True, name="stall-probe").start()
+
+    def _run(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            time.sleep(0.01)
+            late = time.monotonic() - t0 - 0.01
+            if late > 0.1:
+                self.late.append((t0, late))
+
+    def stalled_s(self, since: float, until: float) -> float:
+        return sum(late for t, late in self.late if since <= t < until)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--duration", type=float, help="seconds per level instead of a request count")
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--prompt-words", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -90,20 +117,27 @@ def main() -> int:
                    Target("http", "http://127.0.0.1:18800", "tiny")),
         "vllm": (vllm_cmd, "http://127.0.0.1:18810/health", Target("openai", "http://127.0.0.1:18810", "tiny")),
     }
-    workload = Workload(requests=args.requests, prompt_words=args.prompt_words, output_tokens=args.output_tokens)
+    workload = Workload(requests=args.requests, duration_s=args.duration, prompt_words=args.prompt_words,
+                        output_tokens=args.output_tokens)
     runs: dict[str, list[list[LevelResult]]] = {"triton": [], "vllm": []}
+    stalls: dict[str, list[float]] = {"triton": [], "vllm": []}
+    probe = StallProbe()
     for rnd in range(args.rounds):
         order = ["triton", "vllm"] if rnd % 2 == 0 else ["vllm", "triton"]
         for name in order:
             cmd, ready, target = servers[name]
             print(f"round {rnd + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
             proc = start(cmd, env, ready, args.out / f"{name}.log")
+            t0 = time.monotonic()
             try:
                 results = asyncio.run(sweep(target, workload, levels, progress=True))
             finally:
                 stop(proc)
+            stalled = probe.stalled_s(t0, time.monotonic())
             print(table(results), flush=True)
+            print(f"  machine stalls during this run: {stalled:.1f} s", flush=True)
             runs[name].append(results)
+            stalls[name].append(round(stalled, 2))
 
     summary = []
     print("\nmedian over rounds (Triton path / vLLM's own server):")
@@ -125,8 +159,9 @@ def main() -> int:
               f"{row['ratio_median']:>6.2f} {row['triton_ttft_p50_s'] * 1000:>14.0f}ms "
               f"{row['vllm_ttft_p50_s'] * 1000:>5.0f}ms {row['ttft_ratio']:>10.2f}")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
-            "rounds": args.rounds, "workload": workload.__dict__, "max_model_len": MAX_MODEL_LEN}
-    (args.out / "compare.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": {
+            "rounds": args.rounds, "workload": workload.__dict__, "max_model_len": MAX_MODEL_LEN,
+            "llmhost_settings": BackendSettings().__dict__}
+    (args.out / "compare.json").write_text(json.dumps({"meta": meta, "summary": summary, "stalls_s": stalls, "runs": {
         k: [[r.__dict__ for r in rs] for rs in v] for k, v in runs.items()}}, indent=2) + "\n")
     median_run = {name: [sorted((r[i] for r in rs), key=lambda x: x.output_tokens_per_s)[len(rs) // 2]
                          for i in range(len(levels))] for name, rs in runs.items()}

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+KEEPALIVE_S = 2.0
 WORDS = ("def", "return", "self", "import", "class", "for", "in", "if", "else", "value", "data", "list",
          "print", "range", "while", "True", "None", "yield", "lambda", "with", "open", "file", "path")
 
@@ -99,8 +100,13 @@ class Target:
         else:
             import aiohttp
 
+            # Idle pooled connections are dropped after 2 s, before a server's own
+            # keep-alive timeout (uvicorn's, under vLLM's server, is 5 s) closes
+            # them: aiohttp's default (15 s) reuses such a connection and the
+            # request fails with "Server disconnected" at the start of a level.
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+                timeout=aiohttp.ClientTimeout(total=600))
 
     async def close(self) -> None:
         if self._session is not None:
