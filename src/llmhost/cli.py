@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _engine_arg(text: str) -> tuple[str, Any]:
+def _key_value(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     key, value = text.split("=", 1)
@@ -48,9 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-n", type=int, default=8)
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain on shutdown")
     s.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
-    s.add_argument("--engine-arg", type=_engine_arg, action="append", default=[], metavar="KEY=VALUE",
+    s.add_argument("--engine-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="extra vLLM engine argument (value parsed as JSON when it can be)")
-    s.add_argument("--setting", type=_engine_arg, action="append", default=[], metavar="KEY=VALUE",
+    s.add_argument("--setting", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="a backend setting of model.json's llmhost section, e.g. --setting stream_interval_ms=20")
     s.add_argument("--triton-arg", action="append", default=[], metavar="--FLAG=VALUE",
                    help="extra tritonserver argument, e.g. --triton-arg=--http-thread-count=32")

@@ -65,8 +65,7 @@ def _freeze_startup_heap() -> None:
     large share of its CPU time in gc_collect_main). vLLM's own API server does
     the same after start-up.
     """
-    for generation in (0, 1, 2):
-        gc.collect(generation)
+    gc.collect()  # a full collection first, so only what is alive gets frozen
     gc.freeze()
 
 
