@@ -7,6 +7,7 @@ made here for `llmhost serve` on a developer's machine and for the tests.
 from __future__ import annotations
 
 import filecmp
+import json
 import shutil
 import sys
 import sysconfig
@@ -81,9 +82,16 @@ def make_backend_dir(dest: Path, triton: TritonInstall) -> Path:
     return dest
 
 
+def _to_nice_json(value: Any, indent: int = 4) -> str:
+    return json.dumps(value, indent=indent, sort_keys=True, separators=(",", ": "))
+
+
 def render(template: str, **context: Any) -> str:
     text = resources.files("llmhost").joinpath("templates", template).read_text()
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    # Ansible's filter of that name, so one template renders the same both ways
+    # (Jinja's own tojson returns Markup, which Ansible warns about).
+    env.filters["to_nice_json"] = _to_nice_json
     return env.from_string(text).render(**context)
 
 
