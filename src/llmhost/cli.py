@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="extra vLLM engine argument (value parsed as JSON when it can be)")
     s.add_argument("--setting", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
-                   help="a backend setting of model.json's llmhost section, e.g. --setting stream_interval_ms=20")
+                   help="a backend setting of model.json's llmhost section, e.g. --setting stream_interval_ms=0")
     s.add_argument("--triton-arg", action="append", default=[], metavar="--FLAG=VALUE",
                    help="extra tritonserver argument, e.g. --triton-arg=--http-thread-count=32")
 

@@ -39,58 +39,77 @@ def test_n_completions_merge_per_index():
     assert merged.num_output_tokens == [2, 1]
 
 
-def test_window_sends_first_and_final_at_once_and_holds_the_rest():
+def test_window_sends_first_and_final_at_once_and_holds_the_rest_until_the_tick():
     a = object()
     w = StreamWindow(0.020)
-    assert [p.texts for _, _, p in w.admit([("chunk", a, chunk("x", 1))], now=0.0)] == [["x"]]
-    assert w.admit([("chunk", a, chunk("y", 2))], now=0.001) == []
-    assert w.admit([("chunk", a, chunk("z", 3))], now=0.015) == []
-    assert w.next_due() == 0.021
-    assert w.due(0.020) == []
-    (_, sink, merged), = w.due(0.021)
+    assert not w.ticking
+    assert [p.texts for _, _, p in w.admit([("chunk", a, chunk("x", 1))])] == [["x"]]
+    assert w.ticking  # an open stream: the sending thread must tick
+    assert w.admit([("chunk", a, chunk("y", 2))]) == []
+    assert w.admit([("chunk", a, chunk("z", 3))]) == []
+    (_, sink, merged), = w.flush()
     assert sink is a and merged.texts == ["yz"] and merged.num_output_tokens == [3]
-    assert w.next_due() is None
-    w.admit([("chunk", a, chunk("u", 4))], now=0.03)
-    (_, _, last), = w.admit([("chunk", a, chunk("v", 5, final=True, reason="length"))], now=0.031)
+    assert w.flush() == []
+    w.admit([("chunk", a, chunk("u", 4))])
+    (_, _, last), = w.admit([("chunk", a, chunk("v", 5, final=True, reason="length"))])
     assert last.texts == ["uv"] and last.final and last.finish_reasons == ["length"]
-    assert w.held == {} and w.started == {}
+    assert w.held == {} and w.started == {} and not w.ticking
 
 
 def test_window_keeps_streams_apart_and_order_of_other_items():
     a, b = object(), object()
     w = StreamWindow(0.05)
-    w.admit([("chunk", a, chunk("a1", 1)), ("chunk", b, chunk("b1", 1))], now=0.0)
+    w.admit([("chunk", a, chunk("a1", 1)), ("chunk", b, chunk("b1", 1))])
     out = w.admit([("chunk", a, chunk("a2", 2)), ("track", b, "id"), ("chunk", b, chunk("b2", 2)),
-                   ("chunk", a, chunk("a3", 3))], now=0.01)
+                   ("chunk", a, chunk("a3", 3))])
     assert [k for k, _, _ in out] == ["track"]
-    texts = {id(s): p.texts for _, s, p in w.due(0.07)}
+    texts = {id(s): p.texts for _, s, p in w.flush()}
     assert texts == {id(a): ["a2a3"], id(b): ["b2"]}
 
 
-def test_window_sends_held_text_before_an_error_and_drains_on_stop():
+def test_window_sends_held_text_before_an_error_and_flushes_on_stop():
     a, b = object(), object()
     w = StreamWindow(1.0)
     w.admit([("chunk", a, chunk("a1", 1)), ("chunk", a, chunk("a2", 2)),
-             ("chunk", b, chunk("b1", 1)), ("chunk", b, chunk("b2", 2))], now=0.0)
-    out = w.admit([("error", a, "engine error")], now=0.1)
+             ("chunk", b, chunk("b1", 1)), ("chunk", b, chunk("b2", 2))])
+    out = w.admit([("error", a, "engine error")])
     assert [(k, p if k == "error" else p.texts) for k, _, p in out] == [("chunk", ["a2"]), ("error", "engine error")]
-    (_, sink, rest), = w.drain()
+    (_, sink, rest), = w.flush()
     assert sink is b and rest.texts == ["b2"]
-    assert w.held == {} and w.next_due() is None
+    assert w.held == {}
 
 
-def test_no_window_holds_nothing():
+def test_no_window_holds_nothing_and_never_ticks():
     a = object()
     w = StreamWindow(0.0)
-    out = w.admit([("chunk", a, chunk("x", 1))], now=0.0) + w.admit([("chunk", a, chunk("y", 2))], now=0.0)
+    out = w.admit([("chunk", a, chunk("x", 1))]) + w.admit([("chunk", a, chunk("y", 2))])
     assert [p.texts for _, _, p in out] == [["x"], ["y"]] and w.held == {}
+    assert not w.ticking
 
 
 def test_forget_drops_a_streams_state():
     a = object()
     w = StreamWindow(1.0)
-    w.admit([("chunk", a, chunk("x", 1)), ("chunk", a, chunk("y", 2))], now=0.0)
+    w.admit([("chunk", a, chunk("x", 1)), ("chunk", a, chunk("y", 2))])
     w.forget(a)
     assert w.held == {} and w.started == {}
     # A stream the window does not know yet is sent at once.
-    assert len(w.admit([("chunk", a, chunk("z", 3))], now=0.0)) == 1
+    assert len(w.admit([("chunk", a, chunk("z", 3))])) == 1
+
+
+def test_hold_back_puts_unsent_chunks_ahead_of_newer_ones():
+    a, b = object(), object()
+    w = StreamWindow(1.0)
+    w.admit([("chunk", a, chunk("a1", 1)), ("chunk", b, chunk("b1", 1))])
+    w.admit([("chunk", a, chunk("a2", 2)), ("chunk", b, chunk("b2", 2))])
+    flushed = w.flush()
+    # a2 went out; b2 did not before a newer b3 arrived.
+    w.admit([("chunk", b, chunk("b3", 3))])
+    w.hold_back(flushed[1:])
+    (_, sink, merged), = w.flush()
+    assert sink is b and merged.texts == ["b2b3"] and merged.num_output_tokens == [3]
+    # A final after a hold-back leaves at once, with what was held before it.
+    w.admit([("chunk", a, chunk("a3", 3))])
+    w.hold_back(w.flush())
+    (_, _, last), = w.admit([("chunk", a, chunk("a4", 4, final=True))])
+    assert last.texts == ["a3a4"] and last.final

@@ -2,9 +2,9 @@
 
 The I/O thread takes everything queued at once; when several engine steps of the
 same stream are waiting (the server is busy), they leave as one response instead
-of one round trip each. ``StreamWindow`` may also hold a started stream's deltas
-for a bounded time (``stream_interval_ms``) so that they merge even on an idle
-server; with no window nothing is held back.
+of one round trip each. ``StreamWindow`` also holds a started stream's deltas
+until the sending thread's next tick (``stream_interval_ms``), so that they merge
+on an idle server too; with no window nothing is held back.
 """
 
 from __future__ import annotations
@@ -50,22 +50,28 @@ def coalesce(items: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
 
 
 class StreamWindow:
-    """Hold a stream's later deltas for up to ``window_s`` so they leave as one response.
+    """Hold a started stream's deltas until the next tick so they leave as one response.
 
     Each response is a synchronous round trip to tritonserver, and every one of
-    them costs CPU in the stub, in tritonserver and in the client. With a window,
-    a stream's first response and its final one still leave at once (time to
-    first token and end-to-end latency do not change); the deltas in between wait
-    at most ``window_s`` and merge. ``window_s = 0`` sends everything at once.
-    Only the sending thread uses an instance: no locking.
+    them costs CPU and context switches in the stub, in tritonserver and in the
+    client. A stream's first response and its final one leave at once (time to
+    first token and end-to-end latency do not change); the deltas in between are
+    held and merged until the sending thread's next tick (``flush``), which comes
+    every ``window_s`` while streams are open, so no delta waits longer than that.
+    ``window_s = 0`` holds nothing. Only the sending thread uses an instance.
     """
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self.held: dict[int, tuple[Any, Chunk, float]] = {}  # id(sink) -> (sink, merged chunk, due)
+        self.held: dict[int, tuple[Any, Chunk]] = {}  # id(sink) -> (sink, merged chunk), in arrival order
         self.started: dict[int, Any] = {}  # sinks whose first response left; kept alive while open
 
-    def admit(self, items: list[tuple[str, Any, Any]], now: float) -> list[tuple[str, Any, Any]]:
+    @property
+    def ticking(self) -> bool:
+        """Whether the sending thread must tick: a window is set and streams are open."""
+        return self.window_s > 0 and bool(self.started)
+
+    def admit(self, items: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
         """Items to send now, in order; later deltas of started streams are held."""
         out: list[tuple[str, Any, Any]] = []
         for item in items:
@@ -73,14 +79,12 @@ class StreamWindow:
             key = id(sink)
             if kind == "chunk":
                 held = self.held.pop(key, None)
-                due = now + self.window_s
                 if held is not None:
                     payload = merge(held[1], payload)
-                    due = held[2]
                 if payload.final:
                     self.started.pop(key, None)
                 elif self.window_s > 0 and key in self.started:
-                    self.held[key] = (sink, payload, due)
+                    self.held[key] = (sink, payload)
                     continue
                 else:
                     self.started[key] = sink
@@ -96,19 +100,18 @@ class StreamWindow:
                 out.append(item)
         return out
 
-    def due(self, now: float) -> list[tuple[str, Any, Any]]:
-        """Held deltas whose wait is over."""
-        ready = [key for key, (_, _, due) in self.held.items() if due <= now]
-        return [("chunk", self.held[key][0], self.held.pop(key)[1]) for key in ready]
-
-    def next_due(self) -> float | None:
-        return min((due for _, _, due in self.held.values()), default=None)
-
-    def drain(self) -> list[tuple[str, Any, Any]]:
-        """Everything held, at once (on shutdown)."""
-        out = [("chunk", sink, chunk) for sink, chunk, _ in self.held.values()]
+    def flush(self) -> list[tuple[str, Any, Any]]:
+        """Everything held, at once (each tick, and on shutdown)."""
+        out = [("chunk", sink, chunk) for sink, chunk in self.held.values()]
         self.held.clear()
         return out
+
+    def hold_back(self, items: list[tuple[str, Any, Any]]) -> None:
+        """Chunks taken by ``flush`` but not sent yet: held again, ahead of newer ones."""
+        newer = self.held
+        self.held = {id(sink): (sink, payload) for _, sink, payload in items}
+        for key, (sink, payload) in newer.items():
+            self.held[key] = (sink, merge(self.held[key][1], payload) if key in self.held else payload)
 
     def forget(self, sink: Any) -> None:
         """The stream ended outside this window (a failed send): drop its state."""

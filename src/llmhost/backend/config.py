@@ -37,9 +37,10 @@ class BackendSettings:
     # Threads sending responses to tritonserver. Each send waits for tritonserver
     # to take the response; several threads keep several sends in flight.
     response_threads: int = 1
-    # A stream's deltas after its first response may wait up to this long (ms)
-    # to leave together as one response; the first and the last never wait.
-    stream_interval_ms: float = 20.0
+    # While streams are open the sending thread ticks this often (ms) and sends
+    # each stream's deltas since its last response as one; a stream's first and
+    # last responses never wait. 0: every engine step is sent at once.
+    stream_interval_ms: float = 50.0
 
 
 @dataclass(frozen=True)

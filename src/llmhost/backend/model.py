@@ -10,16 +10,19 @@ Threads in the stub process:
   cancellation checks, metric pushes), so neither of the others ever waits on one.
   Each send blocks until tritonserver has taken the response, so several I/O
   threads (``response_threads``) keep several round trips in flight; a stream
-  always stays on one thread, which keeps its responses in order.
+  always stays on one thread, which keeps its responses in order. Only a stream's
+  first and final chunks (and errors) wake an I/O thread; while streams are open it
+  ticks every ``stream_interval_ms`` for the deltas in between, so a busy engine
+  step does not cost one wake-up (and GIL hand-over) per stream.
 """
 
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
 import json
 import locale
-import queue
 import threading
 import time
 from pathlib import Path
@@ -72,7 +75,7 @@ def _freeze_startup_heap() -> None:
 class _TritonSink:
     """Sends one request's results; every call only enqueues work for its I/O thread."""
 
-    __slots__ = ("active", "done", "flags", "io", "sender")
+    __slots__ = ("active", "done", "flags", "io", "opened", "sender")
 
     def __init__(self, io: _TritonIO, sender: Any, flags: tuple[bool, bool, bool]) -> None:
         self.io = io
@@ -80,15 +83,20 @@ class _TritonSink:
         self.flags = flags
         self.active: Active | None = None
         self.done = False
+        self.opened = False  # the engine thread queued this stream's first chunk
 
     def send(self, chunk: Chunk) -> None:
-        self.io.put(("chunk", self, chunk))
+        # The first and the final chunk wake the I/O thread; deltas in between wait
+        # for its next tick (they would be held for the stream window anyway).
+        urgent = chunk.final or not self.opened
+        self.opened = True
+        self.io.put(("chunk", self, chunk), urgent)
 
     def fail(self, message: str) -> None:
-        self.io.put(("error", self, message))
+        self.io.put(("error", self, message), True)
 
     def cancelled(self) -> None:
-        self.io.put(("error", self, "request cancelled"))
+        self.io.put(("error", self, "request cancelled"), True)
 
 
 class _TritonIO:
@@ -96,7 +104,11 @@ class _TritonIO:
 
     def __init__(self, runner: EngineRunner, metrics: ServingMetrics, interval_s: float, metrics_s: float,
                  window_s: float, exporter: TritonExporter | None, name: str) -> None:
-        self.q: queue.SimpleQueue[tuple[str, Any, Any] | None] = queue.SimpleQueue()
+        # Work from other threads: a deque (append and popleft are atomic) and an
+        # event that only urgent items set, so a busy engine step does not wake
+        # this thread once per stream.
+        self.items: collections.deque[tuple[str, Any, Any] | None] = collections.deque()
+        self.wake = threading.Event()
         self.runner = runner
         self.metrics = metrics
         self.interval = interval_s
@@ -107,38 +119,52 @@ class _TritonIO:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def put(self, item: tuple[str, Any, Any]) -> None:
-        self.q.put(item)
+    def put(self, item: tuple[str, Any, Any] | None, urgent: bool = True) -> None:
+        self.items.append(item)
+        if urgent or self.window.window_s <= 0:
+            self.wake.set()
+
+    def _take(self) -> list[tuple[str, Any, Any] | None]:
+        batch: list[tuple[str, Any, Any] | None] = []
+        while len(batch) < MAX_BATCH:
+            try:
+                batch.append(self.items.popleft())
+            except IndexError:
+                break
+        return batch
 
     def _run(self) -> None:
         pb = _pb()
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        last_flush = time.monotonic()
-        last_poll = time.monotonic()
+        now = time.monotonic()
+        last_flush = last_poll = now
+        next_tick = now + self.window.window_s
         running = True
         while running:
-            timeout = min(self.interval, self.metrics_s)
-            due = self.window.next_due()
-            if due is not None:
-                timeout = max(0.0, min(timeout, due - time.monotonic()))
-            try:
-                first = self.q.get(timeout=timeout) if timeout > 0 else self.q.get_nowait()
-            except queue.Empty:
-                first = ("tick", None, None)
-            batch = [first]
-            while len(batch) < MAX_BATCH:
-                try:
-                    batch.append(self.q.get_nowait())
-                except queue.Empty:
-                    break
+            timeout = min(self.interval - (now - last_poll), self.metrics_s - (now - last_flush))
+            if self.window.ticking:
+                # Streams are open: wake every window for their deltas, which do
+                # not wake this thread themselves.
+                timeout = min(timeout, next_tick - now)
+            if timeout > 0:
+                self.wake.wait(timeout)
+            # Cleared before taking the items: an urgent put after this point sets
+            # it again, so no wake-up is lost.
+            self.wake.clear()
+            batch = self._take()
             if None in batch:
                 running = False
                 batch = batch[:batch.index(None)]
+            was_ticking = self.window.ticking
+            for item in self.window.admit(coalesce(batch)):  # type: ignore[arg-type]
+                self._handle(pb, final, item)
             now = time.monotonic()
-            for item in self.window.admit(coalesce(batch), now):  # type: ignore[arg-type]
-                self._handle(pb, final, item)
-            for item in self.window.due(now):
-                self._handle(pb, final, item)
+            if not was_ticking:
+                next_tick = now + self.window.window_s
+            elif now >= next_tick:
+                self._tick(pb, final)
+                now = time.monotonic()
+                next_tick = now + self.window.window_s
             if now - last_poll >= self.interval:
                 # Requests that produced nothing lately (non-streaming ones, long
                 # prefills, held deltas) still get their cancellation checked.
@@ -148,10 +174,32 @@ class _TritonIO:
             if self.exporter is not None and now - last_flush >= self.metrics_s:
                 self._flush(pb)
                 last_flush = now
-        for item in self.window.drain():
+        for item in self.window.admit(coalesce(self._take())) + self.window.flush():  # type: ignore[arg-type]
             self._handle(pb, final, item)
         if self.exporter is not None:
             self._flush(pb)
+
+    def _tick(self, pb: Any, final: int) -> None:
+        """Send every held delta. With many streams that is many round trips: an
+        urgent item (a first chunk, a final one, an error) that comes in meanwhile
+        goes first, and what is left of the tick goes back to the window, so each
+        stream's responses stay in order."""
+        items = self.window.flush()
+        i = 0
+        while i < len(items):
+            self._handle(pb, final, items[i])
+            i += 1
+            if i < len(items) and self.wake.is_set():
+                self.wake.clear()
+                self.window.hold_back(items[i:])
+                batch = self._take()
+                if None in batch:  # stopping: the main loop sees it next and sends the rest
+                    batch = batch[:batch.index(None)]
+                    self.items.appendleft(None)
+                    self.wake.set()
+                for item in self.window.admit(coalesce(batch)):  # type: ignore[arg-type]
+                    self._handle(pb, final, item)
+                items, i = self.window.flush(), 0
 
     def _handle(self, pb: Any, final: int, item: tuple[str, Any, Any]) -> None:
         kind, sink, payload = item
@@ -227,7 +275,7 @@ class _TritonIOPool:
 
     def stop(self) -> None:
         for shard in self.shards:
-            shard.q.put(None)
+            shard.put(None)
         for shard in self.shards:
             shard.thread.join(timeout=30)
 
@@ -317,7 +365,7 @@ class TritonPythonModel:
             sink = _TritonSink(self.io.pick(), sender, (job.return_finish_reason, job.return_num_input_tokens,
                                                         job.return_num_output_tokens))
             active = self.runner.submit(job, sink)
-            sink.io.put(("track", sink, active.request_id))
+            sink.io.put(("track", sink, active.request_id), urgent=False)
         return None
 
     def finalize(self) -> None:

@@ -1,0 +1,184 @@
+"""The stub's I/O thread (model._TritonIO) with a stand-in for the python backend's
+module: the first and final chunk of a stream leave at once, the deltas between
+them are delivered by the thread's own tick (nothing else wakes it for them),
+merged, in order, and nothing held is lost at shutdown."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from llmhost.backend.engine import Chunk
+from llmhost.backend.metrics import ServingMetrics
+
+FINAL = 1
+
+
+class _Tensor:
+    def __init__(self, name: str, value: Any) -> None:
+        self.name, self.value = name, value
+
+
+class _Response:
+    def __init__(self, output_tensors: list[_Tensor], error: Any = None) -> None:
+        self.tensors, self.error = output_tensors, error
+
+
+class _Logger:
+    @staticmethod
+    def log_warn(msg: str) -> None:
+        print(msg, file=sys.stderr)
+
+    log_info = log_warn
+
+
+@pytest.fixture
+def fake_pb() -> Iterator[None]:
+    mod = types.ModuleType("triton_python_backend_utils")
+    mod.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL  # type: ignore[attr-defined]
+    mod.Tensor = _Tensor  # type: ignore[attr-defined]
+    mod.InferenceResponse = _Response  # type: ignore[attr-defined]
+    mod.TritonError = str  # type: ignore[attr-defined]
+    mod.Logger = _Logger  # type: ignore[attr-defined]
+    sys.modules[mod.__name__] = mod
+    yield
+    del sys.modules[mod.__name__]
+
+
+class Sender:
+    """Records what a stream's response sender got."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int]] = []
+        self.cond = threading.Condition()
+
+    def send(self, response: _Response, flags: int = 0) -> None:
+        text = response.error if response.error else response.tensors[0].value[0].decode()
+        with self.cond:
+            self.sent.append((text, flags))
+            self.cond.notify_all()
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def wait_for(self, text: str, timeout_s: float = 30) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: "".join(t for t, _ in self.sent) == text, timeout=timeout_s)
+
+
+def chunk(text: str, count: int, final: bool = False) -> Chunk:
+    return Chunk([text], ["length" if final else ""], 3, [count], final)
+
+
+def make_io(window_s: float) -> Any:
+    from llmhost.backend.model import _TritonIO
+
+    return _TritonIO(runner=None, metrics=ServingMetrics(), interval_s=0.25,  # type: ignore[arg-type]
+                     metrics_s=1.0, window_s=window_s, exporter=None, name="test-io")
+
+
+def stream(io: Any) -> tuple[Any, Sender]:
+    from llmhost.backend.model import _TritonSink
+
+    sender = Sender()
+    return _TritonSink(io, sender, (False, False, False)), sender
+
+
+def stop(io: Any) -> None:
+    io.put(None)
+    io.thread.join(timeout=30)
+    assert not io.thread.is_alive()
+
+
+def test_deltas_arrive_by_the_tick_merged_and_in_order(fake_pb: None) -> None:
+    io = make_io(window_s=0.05)
+    sink, sender = stream(io)
+    sink.send(chunk("a", 1))
+    assert sender.wait_for("a")  # the first chunk wakes the thread
+    for i, t in enumerate("bcdefgh", start=2):
+        sink.send(chunk(t, i))
+    # No final and no other urgent item: only the thread's tick can deliver them.
+    assert sender.wait_for("abcdefgh"), sender.sent
+    sink.send(chunk("!", 9, final=True))
+    assert sender.wait_for("abcdefgh!"), sender.sent
+    assert sender.sent[-1][1] == FINAL and all(f == 0 for _, f in sender.sent[:-1])
+    # Seven deltas put back to back within one 50 ms window cannot each have been
+    # a response of their own unless every put straddled a tick.
+    assert len(sender.sent) < 9, sender.sent
+    stop(io)
+
+
+def test_without_a_window_every_chunk_is_its_own_response(fake_pb: None) -> None:
+    io = make_io(window_s=0.0)
+    sink, sender = stream(io)
+    for i, t in enumerate("abcd", start=1):
+        sink.send(chunk(t, i, final=t == "d"))
+        assert sender.wait_for("abcd"[:i])  # one at a time: nothing can merge
+    assert sender.sent == [("a", 0), ("b", 0), ("c", 0), ("d", FINAL)]
+    stop(io)
+
+
+def test_held_deltas_leave_before_an_error_and_on_shutdown(fake_pb: None) -> None:
+    io = make_io(window_s=30.0)  # a tick that never comes during the test
+    failing, f_sender = stream(io)
+    open_, o_sender = stream(io)
+    failing.send(chunk("x", 1))
+    open_.send(chunk("p", 1))
+    assert f_sender.wait_for("x") and o_sender.wait_for("p")
+    failing.send(chunk("y", 2))
+    open_.send(chunk("q", 2))
+    failing.fail("engine error: boom")
+    assert f_sender.wait_for("xyengine error: boom"), f_sender.sent
+    assert f_sender.sent[-1] == ("engine error: boom", FINAL)
+    time.sleep(0.2)
+    assert o_sender.sent == [("p", 0)]  # still held: its window is 30 s
+    stop(io)
+    assert o_sender.sent == [("p", 0), ("q", 0)]  # shutdown sends what was held
+
+
+class BlockingSender(Sender):
+    """A Sender whose send of BLOCK_ON waits until released, logging every send to LOG."""
+
+    def __init__(self, log: list[str], block_on: str | None = None) -> None:
+        super().__init__()
+        self.log, self.block_on = log, block_on
+        self.blocked, self.release = threading.Event(), threading.Event()
+
+    def send(self, response: _Response, flags: int = 0) -> None:
+        text = response.tensors[0].value[0].decode()
+        if text == self.block_on:
+            self.blocked.set()
+            assert self.release.wait(30)
+        self.log.append(text)
+        super().send(response, flags)
+
+
+def test_a_first_chunk_goes_ahead_of_the_rest_of_a_tick_and_order_holds(fake_pb: None) -> None:
+    from llmhost.backend.model import _TritonSink
+
+    log: list[str] = []
+    io = make_io(window_s=0.05)
+    senders = [BlockingSender(log, block_on="a2"), BlockingSender(log)]
+    a, b = (_TritonSink(io, s, (False, False, False)) for s in senders)
+    a.send(chunk("a1", 1))
+    b.send(chunk("b1", 1))
+    assert senders[0].wait_for("a1") and senders[1].wait_for("b1")
+    a.send(chunk("a2", 2))
+    b.send(chunk("b2", 2))
+    assert senders[0].blocked.wait(30)  # the tick is sending a2; b2 waits behind it
+    c_sender = BlockingSender(log)
+    c = _TritonSink(io, c_sender, (False, False, False))
+    c.send(chunk("c1", 1))  # a new stream's first chunk
+    b.send(chunk("b3", 3, final=True))
+    senders[0].release.set()
+    assert c_sender.wait_for("c1") and senders[1].wait_for("b1b2b3")
+    # c1 and b's final (merged with the b2 it held back) went before the tick's rest.
+    assert log.index("c1") < log.index("b2b3"), log
+    assert senders[1].sent == [("b1", 0), ("b2b3", FINAL)]
+    stop(io)
