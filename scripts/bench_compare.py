@@ -105,7 +105,7 @@ def _switches(pid: int) -> float:
     for status in Path(f"/proc/{pid}/task").glob("*/status"):
         try:
             for line in status.read_text().splitlines():
-                if line.endswith("ctxt_switches:") or "ctxt_switches:" in line:
+                if "ctxt_switches:" in line:  # voluntary and nonvoluntary
                     n += float(line.split()[1])
         except OSError:
             continue
@@ -113,9 +113,9 @@ def _switches(pid: int) -> float:
 
 
 def cpu_seconds(proc: subprocess.Popen[bytes]) -> dict[str, float]:
-    """CPU seconds (user + system) so far of the server and each of its processes, by
-    name, and the machine's context switches (`ctxt`: on small VMs a switch between
-    processes is what costs most)."""
+    """CPU seconds (user + system) and context switches (`<name>:switches`) so far of
+    the server and each of its processes, by name, and the whole machine's context
+    switches (`ctxt`)."""
     out: dict[str, float] = {}
     root = psutil.Process(proc.pid)
     for p in [root, *root.children(recursive=True)]:
@@ -159,13 +159,10 @@ def main() -> int:
     triton_cmd = [str(bin_dir / "llmhost"), "serve", "--model", str(model), "--name", "tiny", "--device", "cpu",
                   "--http-port", "18800", "--grpc-port", "18801", "--metrics-port", "18802",
                   "--workdir", str(work / "triton"), *engine,
-                  *(a for kv in args.setting for a in ("--setting", kv)),
-                  *(a for kv in os.environ.get("BENCH_ENGINE", "").split() for a in ("--engine-arg", kv))]
+                  *(a for kv in args.setting for a in ("--setting", kv))]
     vllm_cmd = [str(bin_dir / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "18810", "--enforce-eager",
-                "--dtype", "bfloat16", "--disable-log-stats", *engine,
-                *(a for kv in os.environ.get("BENCH_ENGINE", "").split()
-                  for a in ("--" + kv.split("=")[0].replace("_", "-"), kv.split("=", 1)[1]))]
+                "--dtype", "bfloat16", "--disable-log-stats", *engine]
     servers = {
         "triton": (triton_cmd, "http://127.0.0.1:18800/v2/models/tiny/ready",
                    Target("http", "http://127.0.0.1:18800", "tiny")),
