@@ -133,6 +133,12 @@ class _TritonIO:
                 break
         return batch
 
+    def _until_stop(self, batch: list[tuple[str, Any, Any] | None]) -> list[tuple[str, Any, Any] | None]:
+        """The items before the stop marker; any after it go back to the queue's front."""
+        at = batch.index(None)
+        self.items.extendleft(reversed(batch[at + 1:]))
+        return batch[:at]
+
     def _run(self) -> None:
         pb = _pb()
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -146,7 +152,7 @@ class _TritonIO:
                 # Streams are open: wake every window for their deltas, which do
                 # not wake this thread themselves.
                 timeout = min(timeout, next_tick - now)
-            if timeout > 0:
+            if timeout > 0 and not self.items:
                 self.wake.wait(timeout)
             # Cleared before taking the items: an urgent put after this point sets
             # it again, so no wake-up is lost.
@@ -154,7 +160,7 @@ class _TritonIO:
             batch = self._take()
             if None in batch:
                 running = False
-                batch = batch[:batch.index(None)]
+                batch = self._until_stop(batch)
             was_ticking = self.window.ticking
             for item in self.window.admit(coalesce(batch)):  # type: ignore[arg-type]
                 self._handle(pb, final, item)
@@ -194,7 +200,7 @@ class _TritonIO:
                 self.window.hold_back(items[i:])
                 batch = self._take()
                 if None in batch:  # stopping: the main loop sees it next and sends the rest
-                    batch = batch[:batch.index(None)]
+                    batch = self._until_stop(batch)
                     self.items.appendleft(None)
                     self.wake.set()
                 for item in self.window.admit(coalesce(batch)):  # type: ignore[arg-type]
