@@ -133,11 +133,19 @@ class _TritonIO:
                 break
         return batch
 
-    def _until_stop(self, batch: list[tuple[str, Any, Any] | None]) -> list[tuple[str, Any, Any] | None]:
-        """The items before the stop marker; any after it go back to the queue's front."""
-        at = batch.index(None)
-        self.items.extendleft(reversed(batch[at + 1:]))
-        return batch[:at]
+    def _send_queued(self, pb: Any, final: int) -> bool:
+        """Take what is queued and send what the window lets through now. True when
+        the stop marker was among it; items queued after the marker go back to the
+        queue's front."""
+        batch = self._take()
+        stop = None in batch
+        if stop:
+            at = batch.index(None)
+            self.items.extendleft(reversed(batch[at + 1:]))
+            batch = batch[:at]
+        for item in self.window.admit(coalesce(batch)):  # type: ignore[arg-type]
+            self._handle(pb, final, item)
+        return stop
 
     def _run(self) -> None:
         pb = _pb()
@@ -157,13 +165,8 @@ class _TritonIO:
             # Cleared before taking the items: an urgent put after this point sets
             # it again, so no wake-up is lost.
             self.wake.clear()
-            batch = self._take()
-            if None in batch:
-                running = False
-                batch = self._until_stop(batch)
             was_ticking = self.window.ticking
-            for item in self.window.admit(coalesce(batch)):  # type: ignore[arg-type]
-                self._handle(pb, final, item)
+            running = not self._send_queued(pb, final)
             now = time.monotonic()
             if not was_ticking:
                 next_tick = now + self.window.window_s
@@ -180,7 +183,8 @@ class _TritonIO:
             if self.exporter is not None and now - last_flush >= self.metrics_s:
                 self._flush(pb)
                 last_flush = now
-        for item in self.window.admit(coalesce(self._take())) + self.window.flush():  # type: ignore[arg-type]
+        self._send_queued(pb, final)
+        for item in self.window.flush():
             self._handle(pb, final, item)
         if self.exporter is not None:
             self._flush(pb)
@@ -198,13 +202,9 @@ class _TritonIO:
             if i < len(items) and self.wake.is_set():
                 self.wake.clear()
                 self.window.hold_back(items[i:])
-                batch = self._take()
-                if None in batch:  # stopping: the main loop sees it next and sends the rest
-                    batch = self._until_stop(batch)
+                if self._send_queued(pb, final):  # stopping: the main loop sees it next and sends the rest
                     self.items.appendleft(None)
                     self.wake.set()
-                for item in self.window.admit(coalesce(batch)):  # type: ignore[arg-type]
-                    self._handle(pb, final, item)
                 items, i = self.window.flush(), 0
 
     def _handle(self, pb: Any, final: int, item: tuple[str, Any, Any]) -> None:
