@@ -28,7 +28,7 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "2000"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.integers(-2**70, 2**70),
                          st.floats(allow_nan=False, allow_infinity=False, width=32), st.text(max_size=12))
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
                            | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
@@ -39,7 +39,11 @@ KNOWN = ["temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_to
          "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
          "exclude_input_in_output", "choice", "regex", "json_schema", "structured_outputs", "bogus_key"]
 small_max_tokens = st.one_of(st.integers(-3, 6), st.sampled_from(["4", "x", 2.5, None, True, [1]]))
+# JSON nested around the depth bound (100), and far beyond it.
+deep_json = st.one_of(st.integers(95, 105), st.sampled_from([1000, 100_000])).flatmap(
+    lambda n: st.sampled_from(["[" * n + "]" * n, "[" * n, '{"a":' * n + "1" + "}" * n]))
 messages = st.one_of(
+    deep_json,
     st.text(max_size=40),
     st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot", 7]),
                                     "content": st.one_of(st.text(max_size=30), st.integers())}),
@@ -61,7 +65,7 @@ wild_bodies = st.fixed_dictionaries(
     optional={
         "text_input": st.one_of(st.text(max_size=80), st.integers(), st.none()),
         "messages": messages,
-        "sampling_parameters": st.one_of(st.text(max_size=30),
+        "sampling_parameters": st.one_of(st.text(max_size=30), deep_json,
                                          st.dictionaries(st.sampled_from(KNOWN), json_values,
                                                          max_size=3).map(json.dumps)),
         "stream": st.one_of(st.booleans(), st.integers(0, 2)),
@@ -71,8 +75,20 @@ wild_bodies = st.fixed_dictionaries(
 bodies = st.one_of(valid_bodies, wild_bodies)
 
 
-def _check_answer(status: int, text: str) -> None:
+# A response must never show a Python traceback or a path of the server's files
+# (unless the request itself carried the string and an error quotes it back).
+LEAKS = ("Traceback", 'File "', "/site-packages/", "/usr/", "/opt/", "/tmp/", ".py")
+
+
+def assert_no_leak(text: str, request_text: str = "") -> None:
+    for needle in LEAKS:
+        assert needle not in text or needle in request_text, (needle, text[:500])
+
+
+def _check_answer(status: int, text: str, request_text: str = "") -> None:
     data = json.loads(text)
+    if "error" in data:
+        assert_no_leak(str(data["error"]), request_text)
     if status == 500:
         # Triton's own HTTP frontend answers 500 when a JSON value does not fit the
         # input's type (e.g. a number for text_input), before our backend sees it.
@@ -95,8 +111,9 @@ def fuzz_http_generate(server: Endpoint) -> dict[str, int]:
     def one(body: dict[str, Any]) -> None:
         if body.get("stream") is True:
             body["stream"] = False  # /generate takes exactly one response; streams are fuzzed below
-        r = session.post(url, data=json.dumps(body), timeout=60)
-        _check_answer(r.status_code, r.text)
+        sent = json.dumps(body)
+        r = session.post(url, data=sent, timeout=60)
+        _check_answer(r.status_code, r.text, sent)
         seen["ok" if r.status_code == 200 and "error" not in r.json() else "error"] += 1
 
     one()
@@ -116,14 +133,20 @@ def fuzz_http_generate_stream(server: Endpoint) -> int:
     def one(body: dict[str, Any]) -> None:
         seen[0] += 1
         body["stream"] = True
-        with session.post(url, data=json.dumps(body), stream=True, timeout=60) as r:
+        sent = json.dumps(body)
+        with session.post(url, data=sent, stream=True, timeout=60) as r:
             assert r.status_code in (200, 400, 500), r.status_code
-            events = [ln for ln in r.iter_lines(decode_unicode=True) if ln.startswith("data:")]
+            lines = list(r.iter_lines(decode_unicode=True))
+        events = [ln for ln in lines if ln.startswith("data:")]
         if r.status_code == 200:
             assert events
             for e in events:
                 payload = json.loads(e[5:])
                 assert "text_output" in payload or isinstance(payload.get("error"), str)
+                if "error" in payload:
+                    assert_no_leak(payload["error"], sent)
+        else:
+            assert_no_leak("\n".join(lines), sent)
 
     one()
     assert_healthy(server)
@@ -138,7 +161,7 @@ def fuzz_grpc(server: Endpoint) -> dict[str, int]:
 
     @FUZZ
     @given(text=st.one_of(st.binary(max_size=64), st.text(max_size=64).map(str.encode)),
-           params=st.one_of(st.binary(max_size=20),
+           params=st.one_of(st.binary(max_size=20), deep_json.map(str.encode),
                             st.dictionaries(st.sampled_from(KNOWN), json_values, max_size=3)
                             .map(lambda d: json.dumps({**d, "max_tokens": 3}).encode())),
            stream=st.booleans(), as_messages=st.booleans())
@@ -156,6 +179,8 @@ def fuzz_grpc(server: Endpoint) -> dict[str, int]:
             result, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
             if error is not None:
                 assert len(str(error)) > 5
+                assert_no_leak(str(error), repr(text) + repr(params) + text.decode("utf-8", "replace")
+                               + params.decode("utf-8", "replace"))
                 counts["error"] += 1
                 return
             final = result.get_response().parameters.get("triton_final_response")

@@ -57,7 +57,8 @@ def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: P
 
 
 def test_sigkill_of_tritonserver_leaves_nothing(tiny_model: Path, tmp_path: Path):
-    srv = start_server(tiny_model, tmp_path)
+    # No restart (serve would restart it, like systemd: tests/e2e/test_engine_lifecycle.py covers that).
+    srv = start_server(tiny_model, tmp_path, extra=["--max-restarts", "0"])
     kids = srv.descendants()
     triton = next(p for p in kids if p.name() == "tritonserver")
     triton.send_signal(signal.SIGKILL)
@@ -65,4 +66,5 @@ def test_sigkill_of_tritonserver_leaves_nothing(tiny_model: Path, tmp_path: Path
     assert rc != 0  # serve reports the crash
     left = wait_gone(kids, timeout_s=30)
     assert not left, f"left behind: {_names(left)}"
-    assert "reaped" in srv.log_tail(5)
+    tail = srv.log_tail(5)
+    assert "reaped" in tail and "was killed by SIGKILL; not restarting it" in tail, tail

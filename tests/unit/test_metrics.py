@@ -88,7 +88,8 @@ def test_exporter_families_match_readme_list_and_apply_deltas():
     m.inc("vllm:request_failed_total", label="invalid_request")
     exp.apply(m.deltas())
     failed = {x.labels["reason"]: x.value for x in FakeFamily.made["vllm:request_failed_total"].metrics}
-    assert failed == {"invalid_request": 1.0, "engine_error": 0.0, "shutting_down": 0.0}
+    assert failed == {"invalid_request": 1.0, "engine_error": 0.0, "shutting_down": 0.0,
+                      "engine_dead": 0.0}
     inf = next(x for x in bucket_family.metrics if x.labels["le"] == "+Inf")
     assert inf.value == 1 and inf.labels["model"] == "tiny"
 

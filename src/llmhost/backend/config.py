@@ -41,6 +41,21 @@ class BackendSettings:
     # each stream's deltas since its last response as one; a stream's first and
     # last responses never wait. 0: every engine step is sent at once.
     stream_interval_ms: float = 50.0
+    # Largest prompt a request may send, in bytes: text_input's UTF-8 bytes, or the
+    # UTF-8 bytes of all messages' contents. Checked before tokenizing. 0: derived
+    # from the engine, max_model_len x the longest token in characters (the bound
+    # vLLM's own server puts on a prompt's characters) x 4 bytes (UTF-8's longest
+    # character), so no prompt that could fit the context is refused.
+    max_prompt_bytes: int = 0
+    # Threads tokenizing prompts and rendering chat templates, off the engine's
+    # event loop. Prompts over 64 KiB use at most all but one of them, so a few
+    # huge prompts never hold up small ones.
+    tokenizer_threads: int = 4
+    # When vLLM's engine dies after start (EngineCore killed, CUDA error), fail
+    # every request and stop tritonserver, so its supervisor restarts it. false:
+    # the model only answers errors (and Triton still calls it ready) until the
+    # server is restarted by hand; for a server whose other models must not restart.
+    exit_server_on_engine_death: bool = True
 
 
 @dataclass(frozen=True)
@@ -50,7 +65,9 @@ class ModelConfig:
 
 
 # Upper bounds where a larger value is surely a mistake (a typo of units, a runaway thread count).
-MAXIMA: dict[str, float] = {"response_threads": 64, "stream_interval_ms": 1000.0}
+MAXIMA: dict[str, float] = {"response_threads": 64, "stream_interval_ms": 1000.0, "tokenizer_threads": 64}
+# Integer settings whose smallest value is not 1.
+MINIMA: dict[str, int] = {"max_prompt_bytes": 0}
 
 
 def _check_setting(name: str, value: Any, default: Any) -> Any:
@@ -69,8 +86,9 @@ def _check_type(name: str, value: Any, default: Any) -> Any:
     if isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"model.json: llmhost.{name} must be an integer, got {value!r}")
-        if value < 1:
-            raise ConfigError(f"model.json: llmhost.{name} must be >= 1, got {value}")
+        least = MINIMA.get(name, 1)
+        if value < least:
+            raise ConfigError(f"model.json: llmhost.{name} must be >= {least}, got {value}")
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"model.json: llmhost.{name} must be a number, got {value!r}")

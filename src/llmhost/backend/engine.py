@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,11 +18,22 @@ from typing import Any, Protocol
 
 from llmhost.backend.config import ModelConfig
 from llmhost.backend.errors import RequestError
+from llmhost.backend.failures import ENGINE_ERROR, INVALID_REQUEST, classify
 from llmhost.backend.metrics import ServingMetrics
-from llmhost.backend.request import GenerateJob
+from llmhost.backend.prompts import UTF8_MAX_BYTES, PromptEncoder, derived_prompt_bytes, longest_token_chars
+from llmhost.backend.request import GenerateJob, RequestLimits
+from llmhost.backend.watchdog import (
+    WATCH_INTERVAL_S,
+    EngineWatch,
+    client_message,
+    engine_death_cause,
+    stop_tritonserver,
+)
 
 # Defaults we set for a server unless model.json says otherwise.
 ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True}
+# After the engine died: how long requests in flight get to end before the server is stopped.
+DEAD_DRAIN_S = 5.0
 
 
 @dataclass
@@ -77,66 +89,184 @@ def build_engine_args(raw: dict[str, Any]) -> Any:
     return AsyncEngineArgs(**args)
 
 
+class EngineStartError(RuntimeError):
+    """The engine did not come up; the message says why, for the load error."""
+
+
+def describe_failure(exc: BaseException, limit: int = 600) -> str:
+    """One line naming an exception for the load error (its traceback goes to the log).
+
+    pydantic's errors (vLLM's config validation) span lines and end each with the
+    input and a documentation link: only what they say is kept."""
+    lines = []
+    for line in str(exc).splitlines():
+        line = line.split(" [type=", 1)[0].strip()
+        if line and not line.startswith("For further information visit"):
+            lines.append(line)
+    text = " ".join(lines)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class EngineRunner:
-    def __init__(self, config: ModelConfig, metrics: ServingMetrics, log: Callable[[str], None]) -> None:
+    def __init__(self, config: ModelConfig, metrics: ServingMetrics, log: Callable[[str], None],
+                 log_error: Callable[[str], None] | None = None,
+                 stop_server: Callable[[Callable[[str], None]], bool] | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.log = log
+        self.log_error = log_error or log
         self.active: dict[str, Active] = {}
         self.active_lock = threading.Lock()
         self.accepting = False
+        # Set (to the client's error message) once vLLM's engine died after start.
+        self.dead_message: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._engine: Any = None
         self._tokenizer: Any = None
         self._max_model_len = 0
         self._stop: asyncio.Event | None = None
+        self._encoder: PromptEncoder | None = None  # made on the engine loop at the first request
+        self._limits: RequestLimits | None = None
+        self._stop_server = stop_server or stop_tritonserver
+        self._watch = EngineWatch()
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
+        """Build the engine on its own thread; raises EngineStartError (naming the
+        cause) whatever goes wrong before the engine is up."""
         ready = threading.Event()
         failure: list[BaseException] = []
 
         def run() -> None:
-            loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(loop)
-            self._loop = loop
             try:
-                loop.run_until_complete(self._main(ready, failure))
+                loop = asyncio.new_event_loop()
+                asyncio.set_event_loop(loop)
+                self._loop = loop
+                try:
+                    loop.run_until_complete(self._main(ready, failure))
+                finally:
+                    loop.close()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, or logged
+                if ready.is_set() and not failure:
+                    self.log_error(f"the engine thread failed: {describe_failure(exc)}\n"
+                                   f"{''.join(traceback.format_exception(exc))}")
+                else:
+                    failure.append(exc)
             finally:
-                loop.close()
+                if not ready.is_set():
+                    if not failure:
+                        failure.append(EngineStartError("the engine thread ended before the engine was up"))
+                    ready.set()
 
         self._thread = threading.Thread(target=run, name="llmhost-engine", daemon=True)
         self._thread.start()
-        ready.wait()
+        while not ready.wait(1.0):
+            if not self._thread.is_alive():  # cannot end without setting ready; never wait forever
+                failure.append(EngineStartError("the engine thread ended before the engine was up"))
+                break
         if failure:
-            self._thread.join()
-            raise failure[0]
+            self._thread.join(timeout=60)
+            self._thread = None
+            exc = failure[0]
+            if isinstance(exc, EngineStartError):
+                raise exc
+            self.log_error(f"vLLM's engine did not start: {describe_failure(exc)}\n"
+                           f"{''.join(traceback.format_exception(exc))}")
+            raise EngineStartError(f"vLLM's engine did not start: {describe_failure(exc)}") from None
         self.accepting = True
 
     async def _main(self, ready: threading.Event, failure: list[BaseException]) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        from llmhost.backend.stats import stat_logger_factory
-
         self._stop = asyncio.Event()
         try:
+            # Imported here, inside the try: an install missing one of vLLM's
+            # dependencies fails at this import, and must fail the load too.
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            from llmhost.backend.stats import stat_logger_factory
+
             args = build_engine_args(self.config.engine_args)
             self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self.metrics)])
             self._tokenizer = self._engine.get_tokenizer()
             self._max_model_len = int(self._engine.model_config.max_model_len)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             failure.append(exc)
+            if self._engine is not None:  # built, then something after failed: no EngineCore left behind
+                self._shutdown_engine()
             ready.set()
             return
         ready.set()
+        watchdog = asyncio.create_task(self._watchdog(), name="llmhost-engine-watchdog")
         await self._stop.wait()
-        self._engine.shutdown()
-        self._engine = None
+        watchdog.cancel()
+        self._shutdown_engine()
+
+    def _shutdown_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        try:
+            engine.shutdown()
+        except Exception as exc:  # noqa: BLE001 - a dead engine may fail to shut down; nothing is left to do
+            self.log(f"vLLM's engine shutdown: {describe_failure(exc)}")
+
+    # -- watchdog -------------------------------------------------------------
+    async def _watchdog(self) -> None:
+        """Poll vLLM's own verdict on its engine about once a second."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            cause = self._watch.check(self._engine)
+            if cause is not None:
+                await self._engine_died(cause)
+                return
+
+    def engine_dead_message(self) -> str | None:
+        """The client's error message if vLLM's engine has died, else None (checks
+        the engine itself: vLLM may fail a request before the watchdog's next poll)."""
+        if self.dead_message is None and self._engine is not None:
+            cause = engine_death_cause(self._engine)
+            if cause is not None:
+                self.dead_message = client_message(cause, self.config.settings.exit_server_on_engine_death)
+                self.accepting = False
+        return self.dead_message
+
+    def fail_if_engine_dead(self, sink: Sink) -> bool:
+        """Answer SINK with the engine-dead error (True) if the engine has died."""
+        message = self.engine_dead_message()
+        if message is None:
+            return False
+        self.metrics.inc("vllm:request_failed_total", label="engine_dead")
+        sink.fail(message)
+        return True
+
+    async def _engine_died(self, cause: str) -> None:
+        restart = self.config.settings.exit_server_on_engine_death
+        self.accepting = False
+        if self.dead_message is None:
+            self.dead_message = client_message(cause, restart)
+        with self.active_lock:
+            tasks = [a.task for a in self.active.values() if a.task is not None]
+        self.log_error(f"vLLM's engine died: {cause}. Failing {len(tasks)} request(s) in flight and every new one"
+                       + ("; stopping tritonserver so that its supervisor restarts it" if restart else
+                          " until the server is restarted (exit_server_on_engine_death is false)"))
+        # Requests that vLLM has not failed yet are cancelled; each answers with
+        # the engine-dead error (fail_if_engine_dead in _generate).
+        for task in tasks:
+            task.cancel()
+        deadline = time.monotonic() + DEAD_DRAIN_S
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active:
+            self.log_error(f"{len(self.active)} request(s) did not end after the engine died")
+        if restart:
+            await asyncio.sleep(0.5)  # the I/O threads hand the errors to tritonserver first
+            self._stop_server(self.log_error)
 
     def stop(self, drain_timeout_s: float) -> None:
         """Refuse new work, let in-flight requests finish, abort the rest, shut down."""
         self.accepting = False
+        if self.dead_message is not None:
+            drain_timeout_s = 0  # nothing can finish on a dead engine
         deadline = time.monotonic() + drain_timeout_s
         while self.active and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -155,6 +285,8 @@ class EngineRunner:
         if self._stop is not None:
             loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=60)
+        if self._thread.is_alive():
+            self.log_error("the engine thread did not end within 60 s of the stop")
         self._thread = None
 
     # -- requests -------------------------------------------------------------
@@ -179,44 +311,54 @@ class EngineRunner:
         if loop is not None and active.task is not None:
             loop.call_soon_threadsafe(active.task.cancel)
 
-    def _prompt_ids(self, job: GenerateJob) -> list[int]:
-        tok = self._tokenizer
-        if job.messages is not None:
-            try:
-                text = tok.apply_chat_template(job.messages, tokenize=False, add_generation_prompt=True)
-            except Exception as exc:  # noqa: BLE001 - the template itself can reject a conversation
-                raise RequestError(f"the model's chat template rejected 'messages': {exc}") from None
-            ids = tok.encode(text, add_special_tokens=False)
-        else:
-            ids = tok.encode(job.prompt, add_special_tokens=True)
-        if not ids:
-            raise RequestError("the prompt encodes to no tokens")
-        if len(ids) >= self._max_model_len:
-            raise RequestError(
-                f"prompt is {len(ids)} tokens; the model's max_model_len is {self._max_model_len} "
-                f"(the prompt must leave room for at least one output token)"
-            )
-        return ids
+    @property
+    def limits(self) -> RequestLimits | None:
+        """The engine's bounds on a request (None until the engine is up)."""
+        if self._limits is None and self._tokenizer is not None and self._max_model_len:
+            configured = self.config.settings.max_prompt_bytes
+            if configured:
+                self._limits = RequestLimits(self._max_model_len, configured)
+            else:
+                chars = longest_token_chars(self._tokenizer)
+                self._limits = RequestLimits(
+                    self._max_model_len, derived_prompt_bytes(self._max_model_len, chars),
+                    f"llmhost.max_prompt_bytes; by default max_model_len {self._max_model_len} "
+                    f"x {chars} characters of the longest token x {UTF8_MAX_BYTES} bytes")
+        return self._limits
 
-    def _sampling_params(self, job: GenerateJob) -> Any:
+    async def _prompt_ids(self, job: GenerateJob) -> list[int]:
+        """Token ids of the job's prompt, tokenized (and templated) on the worker pool."""
+        if self._encoder is None:
+            self._encoder = PromptEncoder(self._tokenizer, self._max_model_len,
+                                          self.config.settings.tokenizer_threads)
+        return await self._encoder.encode(job)
+
+    def _sampling_params(self, job: GenerateJob, prompt_len: int) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         kwargs = dict(job.sampling)
+        # As vLLM's own server: max_tokens (given or the default) is lowered to
+        # what the prompt leaves of the context.
+        kwargs["max_tokens"] = min(kwargs["max_tokens"], self._max_model_len - prompt_len)
         structured = kwargs.pop("structured_outputs", None)
-        if structured is not None:
-            kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
         kind = RequestOutputKind.DELTA if job.stream else RequestOutputKind.FINAL_ONLY
         try:
+            if structured is not None:
+                kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
             return SamplingParams(**kwargs, output_kind=kind)
-        except (ValueError, TypeError) as exc:
-            raise RequestError(f"invalid sampling parameters: {exc}") from None
+        except Exception as exc:  # vLLM's validation of the parameters
+            reason, message = classify(exc)
+            if reason == INVALID_REQUEST:
+                raise RequestError(f"invalid sampling parameters: {message.removeprefix('invalid request: ')}"
+                                   ) from None
+            raise
 
     async def _generate(self, active: Active, job: GenerateJob, sink: Sink) -> None:
         metrics = self.metrics
         try:
-            ids = self._prompt_ids(job)
-            params = self._sampling_params(job)
+            ids = await self._prompt_ids(job)
+            params = self._sampling_params(job, len(ids))
             n = params.n
             counts = [0] * n
             texts = [""] * n
@@ -238,21 +380,21 @@ class EngineRunner:
             if not finished:
                 raise RuntimeError("the engine ended the request without a final output")
         except asyncio.CancelledError:
+            if self.fail_if_engine_dead(sink):  # cancelled by the watchdog, or the engine died meanwhile
+                return
             metrics.inc("vllm:request_cancelled_total")
             sink.cancelled()
-        except RequestError as exc:
-            metrics.inc("vllm:request_failed_total", label="invalid_request")
-            sink.fail(str(exc))
-        except Exception as exc:  # noqa: BLE001 - vLLM's own validation and engine errors
-            # vLLM validates some inputs itself (e.g. structured-output specs) and
-            # raises ValueError subclasses; those are the client's fault.
-            if isinstance(exc, ValueError):
-                metrics.inc("vllm:request_failed_total", label="invalid_request")
-                sink.fail(f"invalid request: {exc}")
-            else:
-                metrics.inc("vllm:request_failed_total", label="engine_error")
-                self.log(f"request {active.request_id} failed: {type(exc).__name__}: {exc}")
-                sink.fail(f"engine error: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - ours and vLLM's validation, and engine errors
+            if not isinstance(exc, RequestError) and self.fail_if_engine_dead(sink):
+                return  # EngineDeadError and whatever failed with the engine
+            # Client errors (ours, and vLLM's own validation, e.g. an invalid
+            # regex) are invalid_request; the rest are the server's (failures.py).
+            reason, message = classify(exc)
+            metrics.inc("vllm:request_failed_total", label=reason)
+            if reason == ENGINE_ERROR:
+                self.log(f"request {active.request_id} failed: {type(exc).__name__}: {exc}\n"
+                         f"{''.join(traceback.format_exception(exc))}")
+            sink.fail(message)
         finally:
             with self.active_lock:
                 self.active.pop(active.request_id, None)

@@ -24,7 +24,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
-FAILURE_REASONS = ("invalid_request", "engine_error", "shutting_down")
+FAILURE_REASONS = ("invalid_request", "engine_error", "shutting_down", "engine_dead")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import json
 import locale
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,8 @@ import numpy as np
 
 from llmhost.backend.coalesce import StreamWindow, coalesce
 from llmhost.backend.config import ConfigError, load_model_config
-from llmhost.backend.engine import Active, Chunk, EngineRunner
-from llmhost.backend.errors import RequestError
+from llmhost.backend.engine import Active, Chunk, EngineRunner, EngineStartError
+from llmhost.backend.errors import RequestError, safe_message
 from llmhost.backend.metrics import ServingMetrics, TritonExporter
 from llmhost.backend.request import BOOL_INPUTS, MESSAGES, SAMPLING_PARAMETERS, TEXT_INPUT, parse_request
 
@@ -321,8 +322,13 @@ class TritonPythonModel:
             raise pb.TritonModelException(str(exc)) from None
         self._apply_placement(args)
         self.metrics = ServingMetrics()
-        self.runner = EngineRunner(self.config, self.metrics, lambda m: pb.Logger.log_info(f"[llmhost] {m}"))
-        self.runner.start()
+        self.runner = EngineRunner(self.config, self.metrics, lambda m: pb.Logger.log_info(f"[llmhost] {m}"),
+                                   lambda m: pb.Logger.log_error(f"[llmhost] {m}"))
+        try:
+            self.runner.start()  # bounded: whatever fails before the engine is up ends here
+        except EngineStartError as exc:
+            self.runner = None
+            raise pb.TritonModelException(str(exc)) from None
         # Metric families are made only after the engine is up and dropped in
         # finalize(): made earlier they crash the stub at exit.
         exporter = TritonExporter(pb, args["model_name"], args.get("model_version", "1"))
@@ -354,25 +360,44 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             if not self.runner.accepting:
-                self.metrics.inc("vllm:request_failed_total", label="shutting_down")
+                dead = self.runner.engine_dead_message()
+                self.metrics.inc("vllm:request_failed_total", label="engine_dead" if dead else "shutting_down")
                 sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(
-                    "the model is shutting down; retry on another instance")), flags=final)
+                    dead or "the model is shutting down; retry on another instance")), flags=final)
                 continue
             try:
                 inputs = {}
                 for name in INPUT_NAMES:
                     tensor = pb.get_input_tensor_by_name(request, name)
                     inputs[name] = tensor.as_numpy() if tensor is not None else None
-                job = parse_request(inputs, request.parameters(), settings)
+                job = parse_request(inputs, request.parameters(), settings, self.runner.limits)
             except RequestError as exc:
                 self.metrics.inc("vllm:request_failed_total", label="invalid_request")
-                sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(exc))), flags=final)
+                sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(safe_message(str(exc)))),
+                            flags=final)
                 continue
-            sink = _TritonSink(self.io.pick(), sender, (job.return_finish_reason, job.return_num_input_tokens,
-                                                        job.return_num_output_tokens))
-            active = self.runner.submit(job, sink)
-            sink.io.put(("track", sink, active.request_id), urgent=False)
+            except Exception as exc:  # noqa: BLE001 - no exception may reach a client with its traceback
+                self._internal_error(pb, sender, final, exc)
+                continue
+            try:
+                sink = _TritonSink(self.io.pick(), sender, (job.return_finish_reason, job.return_num_input_tokens,
+                                                            job.return_num_output_tokens))
+                active = self.runner.submit(job, sink)
+                sink.io.put(("track", sink, active.request_id), urgent=False)
+            except Exception as exc:  # noqa: BLE001 - as above
+                self._internal_error(pb, sender, final, exc)
         return None
+
+    def _internal_error(self, pb: Any, sender: Any, final: int, exc: BaseException) -> None:
+        """A failure of ours (not the client's input): the traceback goes to the log,
+        the client gets one line without it."""
+        self.metrics.inc("vllm:request_failed_total", label="engine_error")
+        pb.Logger.log_error(f"[llmhost] a request failed: {''.join(traceback.format_exception(exc))}")
+        try:
+            sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(
+                safe_message(f"internal error: {type(exc).__name__}; the server log has the details"))), flags=final)
+        except Exception as send_exc:  # noqa: BLE001 - the client may be gone
+            pb.Logger.log_warn(f"[llmhost] sending an error failed: {send_exc}")
 
     def finalize(self) -> None:
         runner = getattr(self, "runner", None)

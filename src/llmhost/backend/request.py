@@ -7,12 +7,14 @@ names the input or key at fault; the backend sends it back as the error response
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmhost.backend import jsonguard
 from llmhost.backend.config import BackendSettings
 from llmhost.backend.errors import RequestError
+from llmhost.backend.limits import MAX_PARAMETERS_BYTES
 from llmhost.backend.sampling import validate_sampling
 
 TEXT_INPUT = "text_input"
@@ -24,6 +26,36 @@ RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_o
 BOOL_INPUTS = (STREAM, EXCLUDE_INPUT, *RETURN_FLAGS)
 MAX_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+# JSON text of 'messages' may be this much larger than the limit on its contents:
+# an escape (\u0001) takes 6 bytes for a 1-byte character, plus keys and roles.
+MESSAGES_JSON_FACTOR = 6
+MESSAGES_JSON_EXTRA = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds that come from the running engine (unknown to unit tests: None)."""
+
+    max_model_len: int
+    max_prompt_bytes: int
+    # Where max_prompt_bytes comes from, for error messages.
+    prompt_bytes_source: str = "llmhost.max_prompt_bytes"
+
+    @property
+    def messages_json_bytes(self) -> int:
+        return self.max_prompt_bytes * MESSAGES_JSON_FACTOR + MESSAGES_JSON_EXTRA
+
+    def text_too_big(self, size: int) -> RequestError:
+        return RequestError(f"input 'text_input' is {size} bytes; at most {self.max_prompt_bytes} bytes are "
+                            f"allowed ({self.prompt_bytes_source})")
+
+    def messages_json_too_big(self, size: int) -> RequestError:
+        return RequestError(f"input 'messages' is {size} bytes of JSON; at most {self.messages_json_bytes} bytes "
+                            f"are allowed ({MESSAGES_JSON_FACTOR} x {self.prompt_bytes_source}, plus 64 KiB)")
+
+    def messages_too_big(self, size: int) -> RequestError:
+        return RequestError(f"input 'messages' holds {size} bytes of content; at most {self.max_prompt_bytes} "
+                            f"bytes are allowed ({self.prompt_bytes_source})")
 
 
 @dataclass
@@ -37,6 +69,8 @@ class GenerateJob:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     extras: dict[str, Any] = field(default_factory=dict)
+    # UTF-8 bytes of the prompt, or of all messages' contents.
+    prompt_bytes: int = 0
 
 
 def _scalar(name: str, value: Any) -> Any:
@@ -47,8 +81,15 @@ def _scalar(name: str, value: Any) -> Any:
     return flat[0]
 
 
-def _text(name: str, value: Any) -> str:
+def _text(name: str, value: Any, max_bytes: int | None = None,
+          too_big: Callable[[int], RequestError] | None = None) -> str:
+    """The input's string; if it is longer than ``max_bytes``, ``too_big(size)`` is raised
+    before it is decoded."""
     item = _scalar(name, value)
+    if max_bytes is not None:
+        size = len(item) if isinstance(item, (bytes, bytearray)) else len(str(item).encode("utf-8", "replace"))
+        if size > max_bytes and too_big is not None:
+            raise too_big(size)
     if isinstance(item, str):
         return item
     if isinstance(item, (bytes, bytearray)):
@@ -69,10 +110,7 @@ def _bool(name: str, value: Any) -> bool:
 
 
 def parse_messages(text: str) -> list[dict[str, str]]:
-    try:
-        messages = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RequestError(f"input 'messages' is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    messages = jsonguard.loads(text, "input 'messages'")
     if not isinstance(messages, list) or not messages:
         raise RequestError("input 'messages' must be a non-empty JSON list of {\"role\", \"content\"} objects")
     if len(messages) > MAX_MESSAGES:
@@ -89,6 +127,14 @@ def parse_messages(text: str) -> list[dict[str, str]]:
             raise RequestError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        if "name" in msg and not isinstance(msg["name"], str):
+            raise RequestError(f"messages[{i}].name must be a string, got {type(msg['name']).__name__}")
+        for key in ("content", "name"):
+            try:
+                msg.get(key, "").encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise RequestError(f"messages[{i}].{key} is not valid Unicode: a lone surrogate at "
+                                   f"position {exc.start}") from None
         out.append({k: v for k, v in msg.items()})
     if all(not m["content"].strip() for m in out):
         raise RequestError("input 'messages' has no content: every message is empty")
@@ -98,27 +144,37 @@ def parse_messages(text: str) -> list[dict[str, str]]:
 def _parameters(sampling_json: str | None, request_params: str | dict[str, Any] | None) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     if sampling_json is not None:
-        try:
-            parsed = json.loads(sampling_json) if sampling_json.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise RequestError(
-                f"input 'sampling_parameters' is not valid JSON: {exc.msg} at position {exc.pos}"
-            ) from None
+        parsed = jsonguard.loads(sampling_json, "input 'sampling_parameters'") if sampling_json.strip() else {}
         if not isinstance(parsed, dict):
             raise RequestError("input 'sampling_parameters' must be a JSON object")
         merged.update(parsed)
     if request_params:
-        params = json.loads(request_params) if isinstance(request_params, str) else dict(request_params)
+        if isinstance(request_params, str):
+            params = jsonguard.loads(request_params, "the request parameters")
+            if not isinstance(params, dict):
+                raise RequestError("the request parameters must be a JSON object")
+        else:
+            params = dict(request_params)
         merged.update(params)  # request parameters win over the JSON input
     return merged
+
+
+def _parameters_too_big(size: int) -> RequestError:
+    return RequestError(f"input 'sampling_parameters' is {size} bytes; at most {MAX_PARAMETERS_BYTES} are allowed")
+
+
+def _message_bytes(messages: list[dict[str, str]]) -> int:
+    return sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
 
 
 def parse_request(
     inputs: dict[str, Any],
     request_params: str | dict[str, Any] | None,
     settings: BackendSettings,
+    limits: RequestLimits | None = None,
 ) -> GenerateJob:
-    """Validate one request. ``inputs`` maps input names to arrays (absent = missing)."""
+    """Validate one request. ``inputs`` maps input names to arrays (absent = missing).
+    ``limits`` (from the running engine) adds the prompt's byte limit and max_model_len."""
     has_text = inputs.get(TEXT_INPUT) is not None
     has_messages = inputs.get(MESSAGES) is not None
     if has_text and has_messages:
@@ -129,15 +185,27 @@ def parse_request(
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     if has_text:
-        prompt = _text(TEXT_INPUT, inputs[TEXT_INPUT])
+        if limits is None:
+            prompt = _text(TEXT_INPUT, inputs[TEXT_INPUT])
+        else:
+            prompt = _text(TEXT_INPUT, inputs[TEXT_INPUT], limits.max_prompt_bytes, limits.text_too_big)
         if not prompt.strip():
             raise RequestError("input 'text_input' is empty")
+        prompt_bytes = len(prompt.encode("utf-8", "surrogatepass"))
     else:
-        messages = parse_messages(_text(MESSAGES, inputs[MESSAGES]))
+        if limits is None:
+            messages = parse_messages(_text(MESSAGES, inputs[MESSAGES]))
+        else:
+            messages = parse_messages(_text(MESSAGES, inputs[MESSAGES], limits.messages_json_bytes,
+                                            limits.messages_json_too_big))
+        prompt_bytes = _message_bytes(messages)
+        if limits is not None and prompt_bytes > limits.max_prompt_bytes:
+            raise limits.messages_too_big(prompt_bytes)
 
     flags = {name: _bool(name, inputs[name]) for name in BOOL_INPUTS if inputs.get(name) is not None}
     raw_sampling = inputs.get(SAMPLING_PARAMETERS)
-    sampling_json = _text(SAMPLING_PARAMETERS, raw_sampling) if raw_sampling is not None else None
+    sampling_json = (_text(SAMPLING_PARAMETERS, raw_sampling, MAX_PARAMETERS_BYTES, _parameters_too_big)
+                     if raw_sampling is not None else None)
     params = _parameters(sampling_json, request_params)
     # Boolean switches may also come as request parameters (HTTP generate sends
     # unknown JSON keys that way); inputs win.
@@ -147,7 +215,7 @@ def parse_request(
             if not isinstance(value, bool):
                 raise RequestError(f"'{name}' must be true or false, got {value!r}")
             flags.setdefault(name, value)
-    sampling = validate_sampling(params, settings)
+    sampling = validate_sampling(params, settings, limits.max_model_len if limits is not None else None)
     return GenerateJob(
         prompt=prompt,
         messages=messages,
@@ -157,4 +225,5 @@ def parse_request(
         return_finish_reason=flags.get("return_finish_reason", False),
         return_num_input_tokens=flags.get("return_num_input_tokens", False),
         return_num_output_tokens=flags.get("return_num_output_tokens", False),
+        prompt_bytes=prompt_bytes,
     )

@@ -12,8 +12,23 @@ import json
 import math
 from typing import Any
 
+from llmhost.backend import jsonguard
 from llmhost.backend.config import BackendSettings
-from llmhost.backend.errors import RequestError
+from llmhost.backend.errors import RequestError, shown
+from llmhost.backend.limits import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS,
+    MAX_PARAMETERS_BYTES,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_STRUCTURED_CHARS,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 
 class SamplingError(RequestError):
@@ -48,10 +63,20 @@ FIELDS: dict[str, str] = {
 STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 STRUCTURED_ALIASES = {"json_schema": "json", "guided_json": "json", "guided_regex": "regex",
                       "guided_choice": "choice", "guided_grammar": "grammar"}
+# (most items, longest item in characters) of the list-valued parameters.
+LIST_BOUNDS: dict[str, tuple[int, int]] = {
+    "stop": (MAX_STOP, MAX_STOP_CHARS),
+    "bad_words": (MAX_BAD_WORDS, MAX_BAD_WORD_CHARS),
+    "stop_token_ids": (MAX_STOP_TOKEN_IDS, 0),
+    "allowed_token_ids": (MAX_ALLOWED_TOKEN_IDS, 0),
+    "logit_bias": (MAX_LOGIT_BIAS, 0),
+}
+# Token ids: no vocabulary comes near this.
+TOKEN_ID_MAX = 2**31 - 1
 
 
 def _err(key: str, expected: str, value: Any) -> SamplingError:
-    return SamplingError(f"sampling parameter '{key}' must be {expected}, got {value!r}")
+    return SamplingError(f"sampling parameter '{key}' must be {expected}, got {shown(value)}")
 
 
 def _to_float(key: str, value: Any) -> float:
@@ -94,28 +119,58 @@ def _to_bool(key: str, value: Any) -> bool:
     raise _err(key, "true or false", value)
 
 
-def _json_maybe(value: Any) -> Any:
-    """Request parameters carry lists and objects as JSON strings."""
+def _json_maybe(key: str, value: Any) -> Any:
+    """Request parameters carry lists and objects as JSON strings (bounded in size
+    and depth); a string that is not JSON stays a string."""
     if isinstance(value, str) and value[:1] in "[{":
+        if len(value) > MAX_PARAMETERS_BYTES:
+            raise SamplingError(f"sampling parameter '{key}' is {len(value)} characters of JSON; "
+                                f"at most {MAX_PARAMETERS_BYTES} are allowed")
+        jsonguard.check_depth(value, f"sampling parameter '{key}'")
         try:
             return json.loads(value)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return value
     return value
+
+
+def _token_id(key: str, value: Any) -> int:
+    out = _to_int(key, value)
+    if not 0 <= out <= TOKEN_ID_MAX:
+        raise _err(key, f"token ids (integers from 0 to {TOKEN_ID_MAX})", value)
+    return out
+
+
+def _check_size(key: str, value: list[Any] | dict[Any, Any]) -> None:
+    most, longest = LIST_BOUNDS[key]
+    if len(value) > most:
+        raise SamplingError(f"sampling parameter '{key}' has {len(value)} items; at most {most} are allowed")
+    if longest:
+        for i, item in enumerate(value):
+            if isinstance(item, str) and len(item) > longest:
+                raise SamplingError(f"sampling parameter '{key}'[{i}] is {len(item)} characters long; "
+                                    f"at most {longest} are allowed")
 
 
 def _coerce(key: str, kind: str, value: Any) -> Any:
     if kind == "float":
         return _to_float(key, value)
-    if kind == "int":
-        return _to_int(key, value)
-    if kind == "opt_int":
-        return None if value is None else _to_int(key, value)
+    if kind in ("int", "opt_int"):
+        if value is None and kind == "opt_int":
+            return None
+        out = _to_int(key, value)
+        if not SEED_MIN <= out <= SEED_MAX:
+            # vLLM's own server takes seeds in torch.long's range; larger ones overflow in its GPU runner.
+            raise _err(key, f"an integer from {SEED_MIN} to {SEED_MAX} (64-bit)", value)
+        return out
     if kind == "bool":
         return _to_bool(key, value)
-    value = _json_maybe(value)
+    value = _json_maybe(key, value)
+    if isinstance(value, (list, dict)):
+        _check_size(key, value)
     if kind == "stop":
         if isinstance(value, str):
+            _check_size(key, [value])
             return [value]
         if isinstance(value, list) and all(isinstance(s, str) and s for s in value):
             return value
@@ -126,11 +181,11 @@ def _coerce(key: str, kind: str, value: Any) -> Any:
         raise _err(key, "a list of strings", value)
     if kind == "int_list":
         if isinstance(value, list):
-            return [_to_int(key, v) for v in value]
-        raise _err(key, "a list of integers", value)
+            return [_token_id(key, v) for v in value]
+        raise _err(key, "a list of token ids", value)
     if kind == "logit_bias":
         if isinstance(value, dict):
-            return {_to_int(key, k): _to_float(key, v) for k, v in value.items()}
+            return {_token_id(key, k): _to_float(key, v) for k, v in value.items()}
         raise _err(key, "an object of token id -> bias", value)
     raise AssertionError(kind)
 
@@ -139,7 +194,7 @@ def _structured(params: dict[str, Any]) -> dict[str, Any] | None:
     spec: dict[str, Any] = {}
     nested = params.pop("structured_outputs", None)
     if nested is not None:
-        nested = _json_maybe(nested)
+        nested = _json_maybe("structured_outputs", nested)
         if not isinstance(nested, dict):
             raise SamplingError("sampling parameter 'structured_outputs' must be an object")
         for k, v in nested.items():
@@ -160,22 +215,40 @@ def _structured(params: dict[str, Any]) -> dict[str, Any] | None:
     if len(spec) > 1:
         raise SamplingError(f"give one kind of structured output, not {sorted(spec)}")
     (kind, value), = spec.items()
-    value = _json_maybe(value)
+    name = STRUCTURED_KEYS[kind]
+    value = _json_maybe(name, value)
     if kind == "json":
         if isinstance(value, str):
             raise SamplingError("structured output 'json_schema' must be a JSON schema object")
         if not isinstance(value, (dict, bool)):
             raise SamplingError("structured output 'json_schema' must be a JSON schema object")
+        size = len(json.dumps(value))
     elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise SamplingError("structured output 'choice' must be a non-empty list of non-empty strings")
+        if len(value) > MAX_CHOICES:
+            raise SamplingError(f"structured output 'choice' has {len(value)} items; at most {MAX_CHOICES} "
+                                "are allowed")
+        size = sum(len(c) for c in value)
     elif not isinstance(value, str) or not value:
-        raise SamplingError(f"structured output '{STRUCTURED_KEYS[kind]}' must be a non-empty string")
+        raise SamplingError(f"structured output '{name}' must be a non-empty string")
+    else:
+        if "\x00" in value:
+            raise SamplingError(f"structured output '{name}' must not contain a NUL character")
+        size = len(value)
+    if size > MAX_STRUCTURED_CHARS:
+        raise SamplingError(f"structured output '{name}' is {size} characters long; at most "
+                            f"{MAX_STRUCTURED_CHARS} are allowed")
     return {kind: value}
 
 
-def validate_sampling(params: dict[str, Any], settings: BackendSettings) -> dict[str, Any]:
-    """Return SamplingParams keyword arguments (structured output under 'structured_outputs')."""
+def validate_sampling(params: dict[str, Any], settings: BackendSettings,
+                      max_model_len: int | None = None) -> dict[str, Any]:
+    """Return SamplingParams keyword arguments (structured output under 'structured_outputs').
+
+    With ``max_model_len`` (the running engine's), an explicit max_tokens larger
+    than the context is refused, as vLLM's own server does; the engine then
+    lowers max_tokens (given or default) to what the prompt leaves of the context."""
     params = dict(params)
     structured = _structured(params)
     unknown = sorted(k for k in params if k not in FIELDS)
@@ -183,9 +256,13 @@ def validate_sampling(params: dict[str, Any], settings: BackendSettings) -> dict
         supported = sorted([*FIELDS, *STRUCTURED_ALIASES, "structured_outputs"])
         raise SamplingError(f"unknown sampling parameter(s) {unknown}; supported: {supported}")
     out = {k: _coerce(k, FIELDS[k], v) for k, v in params.items()}
+    given = "max_tokens" in out
     out.setdefault("max_tokens", settings.default_max_tokens)
     if out["max_tokens"] < 1:
         raise SamplingError(f"sampling parameter 'max_tokens' must be >= 1, got {out['max_tokens']}")
+    if given and max_model_len is not None and out["max_tokens"] > max_model_len:
+        raise SamplingError(f"sampling parameter 'max_tokens' ({out['max_tokens']}) cannot be greater than "
+                            f"the model's max_model_len ({max_model_len}); request fewer output tokens")
     if out.get("temperature", 1.0) < 0:
         raise SamplingError(f"sampling parameter 'temperature' must be >= 0, got {out['temperature']}")
     if "top_p" in out and not 0 < out["top_p"] <= 1:

@@ -1,0 +1,48 @@
+"""Whose fault a failed request is, and what its client is told.
+
+Client errors (our validation's ``RequestError``, and vLLM's own validation: its
+``VLLMClientError`` classes and the bare ValueError/TypeError/OverflowError that
+vLLM's OpenAI server also answers with 400) count as ``invalid_request``; every
+other failure is the server's and counts as ``engine_error``, the only reason the
+error-ratio alert pages on. vLLM wraps an unexpected exception raised while it
+takes a request in EngineGenerateError; the exception it wraps decides.
+
+Classes are matched by name, so this module needs no vLLM import (unit tests).
+"""
+
+from __future__ import annotations
+
+from llmhost.backend.errors import RequestError, safe_message
+
+INVALID_REQUEST = "invalid_request"
+ENGINE_ERROR = "engine_error"
+_CLIENT_BASES = {"VLLMClientError"}
+_BARE_CLIENT = (ValueError, TypeError, OverflowError)
+
+
+def _names(exc: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
+def _is_client(exc: BaseException) -> bool:
+    names = _names(exc)
+    if names & _CLIENT_BASES:
+        return True
+    if "GracefulHTTPError" in names:  # vLLM's admission control: 4xx the client's, 5xx (overload) ours
+        return int(getattr(exc, "http_status", 500)) < 500
+    if "VLLMServerError" in names:
+        return False
+    return isinstance(exc, _BARE_CLIENT)
+
+
+def classify(exc: BaseException) -> tuple[str, str]:
+    """(metric reason, the client's error message) for a failed request."""
+    if isinstance(exc, RequestError):
+        return INVALID_REQUEST, safe_message(str(exc))
+    cause = exc
+    if "EngineGenerateError" in _names(exc) and exc.__cause__ is not None:
+        cause = exc.__cause__
+    if _is_client(cause):
+        return INVALID_REQUEST, safe_message(f"invalid request: {cause}")
+    detail = str(exc).strip()
+    return ENGINE_ERROR, safe_message(f"engine error: {type(exc).__name__}" + (f": {detail}" if detail else ""))

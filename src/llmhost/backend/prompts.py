@@ -1,0 +1,131 @@
+"""Prompts become token ids on worker threads, never on the engine's event loop.
+
+Tokenizing a prompt takes time in proportion to its size (seconds for megabytes);
+on the one asyncio loop that runs vLLM's engine it would stall every other request.
+``PromptEncoder`` renders chat templates and tokenizes on a small pool of daemon
+threads (Hugging Face's fast tokenizers release the GIL while they encode), each
+with its own copy of the tokenizer (a tokenizer is not safe to share between
+threads). Prompts over ``LARGE_PROMPT_BYTES`` take at most all but one of the
+threads, so a burst of huge prompts leaves a thread for everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from llmhost.backend.errors import RequestError, safe_message
+from llmhost.backend.request import GenerateJob
+
+T = TypeVar("T")
+LARGE_PROMPT_BYTES = 64 * 1024
+UTF8_MAX_BYTES = 4
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the tokenizer's longest token (vLLM computes it on loading)."""
+    try:
+        return max(int(tokenizer.max_chars_per_token), 1)
+    except Exception:  # noqa: BLE001 - a tokenizer without vLLM's property: be generous
+        return 64
+
+
+def derived_prompt_bytes(max_model_len: int, longest_token: int) -> int:
+    """The default byte limit: no prompt that fits ``max_model_len`` tokens is longer.
+
+    vLLM's own server refuses a prompt longer than max_model_len x the longest
+    token's characters before tokenizing it (a token never stands for more
+    characters than that); a character takes at most 4 bytes in UTF-8.
+    """
+    return max_model_len * longest_token * UTF8_MAX_BYTES
+
+
+class WorkerPool:
+    """``threads`` daemon threads running blocking calls for an asyncio loop."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._work: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]
+                                      | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            fn, loop, fut = item
+            if fut.cancelled():  # the client left while this waited
+                continue
+            try:
+                result: Any = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                loop.call_soon_threadsafe(_settle, fut, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, fut, result, None)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._work.put((fn, loop, fut))
+        return await fut
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._work.put(None)
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class PromptEncoder:
+    """Token ids for a job's prompt or messages, computed on the worker pool."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, threads: int) -> None:
+        self.max_model_len = max_model_len
+        self._original = tokenizer
+        self._local = threading.local()
+        self._pool = WorkerPool(threads, "llmhost-tokenize")
+        self._large = asyncio.Semaphore(max(1, threads - 1))
+
+    async def encode(self, job: GenerateJob) -> list[int]:
+        if job.prompt_bytes > LARGE_PROMPT_BYTES:
+            async with self._large:
+                return await self._pool.run(lambda: self._encode(job))
+        return await self._pool.run(lambda: self._encode(job))
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def _tokenizer(self) -> Any:
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            tok = self._local.tokenizer = copy.deepcopy(self._original)
+        return tok
+
+    def _encode(self, job: GenerateJob) -> list[int]:
+        tok = self._tokenizer()
+        if job.messages is not None:
+            try:
+                text = tok.apply_chat_template(job.messages, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # noqa: BLE001 - the template itself can reject a conversation
+                raise RequestError(safe_message(f"the model's chat template rejected 'messages': {exc}")) from None
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(job.prompt, add_special_tokens=True)
+        if not ids:
+            raise RequestError("the prompt encodes to no tokens")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt is {len(ids)} tokens; the model's max_model_len is {self.max_model_len} "
+                f"(the prompt must leave room for at least one output token)"
+            )
+        return list(ids)

@@ -1,0 +1,105 @@
+"""Noticing that vLLM's engine died after start, and what the stub does about it.
+
+vLLM's ``AsyncLLM`` runs the engine (EngineCore and its workers) in processes of
+its own. When one of them dies (SIGKILL, OOM kill, a CUDA error that ends the
+EngineCore), vLLM's client marks itself dead (``AsyncLLM.errored``: its monitor
+thread watches the processes' sentinels, and an EngineCore that fails sends
+ENGINE_CORE_DEAD) but nothing tells Triton: the model would keep answering ready
+while every request failed. The engine loop polls ``errored`` about once a second
+(``EngineWatch``); on death the runner fails every request in flight and every new
+one with a clear message, then asks the parent tritonserver to shut down
+(``stop_tritonserver``) so its supervisor (systemd, ``llmhost serve``) restarts it:
+Triton 2.51's python backend has no way for a model to mark itself not ready, and
+a process whose engine hit a CUDA error is usually unusable anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+WATCH_INTERVAL_S = 1.0
+TRITONSERVER_COMM = "tritonserver"
+
+
+def engine_death_cause(engine: Any) -> str | None:
+    """Why vLLM's engine is dead, or None while it is alive.
+
+    ``errored`` is vLLM's own verdict; the exit codes of its engine processes,
+    where vLLM's process manager knows them, make the cause readable."""
+    try:
+        if not engine.errored:
+            return None
+    except Exception as exc:  # noqa: BLE001 - a client torn down under us counts as dead
+        return f"its state could not be read: {type(exc).__name__}"
+    return _describe_exits(engine) or "vLLM reports its engine dead"
+
+
+def _describe_exits(engine: Any) -> str | None:
+    try:
+        manager = engine.engine_core.resources.engine_manager
+        exits: dict[str, int] = dict(manager.finished_procs())
+    except Exception:  # noqa: BLE001 - internal API; only the wording depends on it
+        return None
+    parts = [f"{name} {describe_exit(code)}" for name, code in sorted(exits.items())]
+    return ", ".join(parts) or None
+
+
+def describe_exit(code: int) -> str:
+    """A process exit code as people read it: 'was killed by SIGKILL', 'exited with 1'."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with {code}"
+
+
+def client_message(cause: str, restarting: bool) -> str:
+    """What every request in flight and every new one gets once the engine died."""
+    then = ("the server is restarting; retry shortly" if restarting
+            else "the model stays unavailable until its server is restarted")
+    return f"the model's engine stopped ({cause}); {then}"
+
+
+class EngineWatch:
+    """The decision part of the watchdog: fed the engine, tells once that it died."""
+
+    def __init__(self, cause_of: Callable[[Any], str | None] = engine_death_cause) -> None:
+        self._cause_of = cause_of
+        self.cause: str | None = None
+
+    def check(self, engine: Any) -> str | None:
+        """The cause the first time the engine is seen dead; None before and after."""
+        if self.cause is not None or engine is None:
+            return None
+        self.cause = self._cause_of(engine)
+        return self.cause
+
+
+def parent_comm(ppid: int) -> str:
+    try:
+        with open(f"/proc/{ppid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def stop_tritonserver(log: Callable[[str], None], ppid: int | None = None,
+                      kill: Callable[[int, int], None] = os.kill) -> bool:
+    """SIGTERM the stub's parent if it is tritonserver: it shuts down cleanly (every
+    model's finalize) and exits, and its supervisor restarts it. False (and why, in
+    the log) when the parent is something else."""
+    ppid = os.getppid() if ppid is None else ppid
+    comm = parent_comm(ppid)
+    if ppid <= 1 or comm != TRITONSERVER_COMM:
+        log(f"not stopping the server: the stub's parent (pid {ppid}, '{comm or '?'}') is not tritonserver")
+        return False
+    try:
+        kill(ppid, signal.SIGTERM)
+    except OSError as exc:
+        log(f"could not signal tritonserver (pid {ppid}): {exc}")
+        return False
+    return True

@@ -1,0 +1,385 @@
+"""EngineRunner's lifecycle without vLLM: whatever fails before the engine is up
+fails start() (never a hang) naming the cause; after start, an engine that vLLM
+reports dead is noticed by the watchdog, every request in flight and every new
+one gets the engine-dead error (metric reason engine_dead), and the server is
+asked to stop once; the decision parts (cause, parent check, restart limit) on
+their own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import types
+from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+
+from llmhost.backend import engine as engine_mod
+from llmhost.backend import watchdog
+from llmhost.backend.config import parse_model_config
+from llmhost.backend.engine import EngineRunner, EngineStartError
+from llmhost.backend.metrics import ServingMetrics
+from llmhost.backend.request import GenerateJob
+from llmhost.serve import RestartLimit, exit_reason
+
+BOUND_S = 120  # a bound that tells a hang from an answer (importing vLLM's packages on a busy host), not a speed target
+
+
+# -- fakes ----------------------------------------------------------------------
+
+
+class FakeManager:
+    def __init__(self) -> None:
+        self.exits: dict[str, int] = {}
+
+    def finished_procs(self) -> dict[str, int]:
+        return dict(self.exits)
+
+
+class FakeTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 50 + 1 for c in text]
+
+    def apply_chat_template(self, messages: Any, tokenize: bool = False, add_generation_prompt: bool = True) -> str:
+        return " ".join(m["content"] for m in messages)
+
+
+class FakeEngine:
+    """Stands in for vLLM's AsyncLLM: ``errored`` and the engine processes' exit codes
+    are set by the test; ``generate`` yields one delta, then waits forever (as a
+    request does whose engine died before vLLM failed it), or raises once errored
+    when ``fail_when_dead``."""
+
+    instances: ClassVar[list[FakeEngine]] = []
+    fail_tokenizer = False
+
+    def __init__(self) -> None:
+        self.errored = False
+        self.fail_when_dead = False
+        self.shutdowns = 0
+        self.manager = FakeManager()
+        self.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=self.manager))
+        self.model_config = SimpleNamespace(max_model_len=64)
+        self.generating = threading.Event()
+        FakeEngine.instances.append(self)
+
+    @classmethod
+    def from_engine_args(cls, args: Any, stat_loggers: Any = None) -> FakeEngine:
+        return cls()
+
+    def get_tokenizer(self) -> FakeTokenizer:
+        if FakeEngine.fail_tokenizer:
+            raise OSError("tokenizer.json is unreadable")
+        return FakeTokenizer()
+
+    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        out = SimpleNamespace(outputs=[SimpleNamespace(index=0, text="x", token_ids=[1], finish_reason=None)],
+                              finished=False)
+        yield out
+        self.generating.set()
+        while not (self.errored and self.fail_when_dead):
+            await asyncio.sleep(0.01)
+        raise RuntimeError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+
+    def die(self, exits: dict[str, int]) -> None:
+        self.manager.exits = exits
+        self.errored = True
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self.shutdowns += 1
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.active: Any = None
+        self.chunks: list[Any] = []
+        self.errors: list[str] = []
+        self.was_cancelled = False
+        self.done = threading.Event()
+
+    def send(self, chunk: Any) -> None:
+        self.chunks.append(chunk)
+        if chunk.final:
+            self.done.set()
+
+    def fail(self, message: str) -> None:
+        self.errors.append(message)
+        self.done.set()
+
+    def cancelled(self) -> None:
+        self.was_cancelled = True
+        self.done.set()
+
+
+class Log:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, msg: str) -> None:
+        self.lines.append(msg)
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The engine module sees a fake AsyncLLM, stat logger and engine arguments."""
+    mod = types.ModuleType("vllm.v1.engine.async_llm")
+    mod.AsyncLLM = FakeEngine  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.async_llm", mod)
+    stats = types.ModuleType("llmhost.backend.stats")
+    stats.stat_logger_factory = lambda metrics: object()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "llmhost.backend.stats", stats)
+    monkeypatch.setattr(engine_mod, "build_engine_args", lambda raw: SimpleNamespace(**raw))
+    FakeEngine.instances = []
+    FakeEngine.fail_tokenizer = False
+    yield
+
+
+def make_runner(restart: bool = True) -> tuple[EngineRunner, Log, Log, list[int], ServingMetrics]:
+    config = parse_model_config({"model": "/nowhere", "llmhost": {"exit_server_on_engine_death": restart}})
+    info, error, stops = Log(), Log(), []
+    metrics = ServingMetrics()
+
+    def stop_server(log: Any) -> bool:
+        stops.append(1)
+        return True
+
+    runner = EngineRunner(config, metrics, info, error, stop_server=stop_server)
+    return runner, info, error, stops, metrics
+
+
+def start_in_thread(runner: EngineRunner) -> list[BaseException | None]:
+    """start() on a thread, so a hang fails the test instead of blocking it."""
+    result: list[BaseException | None] = []
+
+    def go() -> None:
+        try:
+            runner.start()
+            result.append(None)
+        except BaseException as exc:  # noqa: BLE001
+            result.append(exc)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(BOUND_S)
+    assert result, "start() did not return: the load would hang"
+    return result
+
+
+def job() -> GenerateJob:
+    return GenerateJob(prompt="hello", messages=None, stream=True, exclude_input=True, sampling={"max_tokens": 8})
+
+
+def submit(runner: EngineRunner, monkeypatch: pytest.MonkeyPatch) -> Sink:
+    # Only the engine-facing part is under test here: sampling parameters are vLLM's.
+    monkeypatch.setattr(runner, "_sampling_params", lambda j, *a: SimpleNamespace(n=1))
+    sink = Sink()
+    runner.submit(job(), sink)
+    return sink
+
+
+def failed(metrics: ServingMetrics, reason: str) -> float:
+    return metrics._counters.get(("vllm:request_failed_total", reason), 0.0)
+
+
+# -- start failures -----------------------------------------------------------------
+
+
+def test_import_error_of_vllm_fails_start_naming_it(monkeypatch: pytest.MonkeyPatch):
+    # The GPU host's case: a missing dependency fails `from vllm.v1.engine.async_llm import AsyncLLM`.
+    class MissingDependency:
+        @staticmethod
+        def find_spec(name: str, path: Any = None, target: Any = None) -> None:
+            if name == "vllm.v1.engine.async_llm":
+                raise ImportError("libcudart.so.12: cannot open shared object file: No such file or directory")
+
+    monkeypatch.delitem(sys.modules, "vllm.v1.engine.async_llm", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [MissingDependency, *sys.meta_path])
+    runner, _, error, _, _ = make_runner()
+    [exc] = start_in_thread(runner)
+    assert isinstance(exc, EngineStartError)
+    assert str(exc) == ("vLLM's engine did not start: ImportError: libcudart.so.12: cannot open shared object "
+                        "file: No such file or directory"), exc
+    assert "Traceback" not in str(exc)
+    assert "ImportError" in error.text() and "Traceback" in error.text()  # the whole story goes to the log
+    assert not runner.accepting
+
+
+def test_engine_build_error_fails_start_naming_it(fake_vllm: None, monkeypatch: pytest.MonkeyPatch):
+    def reject(raw: dict[str, Any]) -> Any:
+        raise ValueError("max_model_len 99999 is larger than the model's 512")
+
+    monkeypatch.setattr(engine_mod, "build_engine_args", reject)
+    runner, _, _, _, _ = make_runner()
+    [exc] = start_in_thread(runner)
+    assert str(exc) == "vLLM's engine did not start: ValueError: max_model_len 99999 is larger than the model's 512"
+
+
+def test_failure_after_the_engine_is_built_shuts_it_down(fake_vllm: None):
+    FakeEngine.fail_tokenizer = True
+    runner, _, _, _, _ = make_runner()
+    [exc] = start_in_thread(runner)
+    assert "OSError: tokenizer.json is unreadable" in str(exc)
+    assert [e.shutdowns for e in FakeEngine.instances] == [1], "the EngineCore would be left behind"
+
+
+@pytest.mark.parametrize("how", ["returns", "exits"])
+def test_an_engine_thread_that_ends_any_other_way_fails_start(fake_vllm: None, monkeypatch: pytest.MonkeyPatch,
+                                                              how: str):
+    async def returns(self: EngineRunner, ready: Any, failure: Any) -> None:
+        return None
+
+    async def exits(self: EngineRunner, ready: Any, failure: Any) -> None:
+        raise SystemExit(3)
+
+    monkeypatch.setattr(EngineRunner, "_main", returns if how == "returns" else exits)
+    runner, _, _, _, _ = make_runner()
+    [exc] = start_in_thread(runner)
+    assert isinstance(exc, EngineStartError)
+    expected = "the engine thread ended before the engine was up" if how == "returns" else "SystemExit: 3"
+    assert expected in str(exc)
+
+
+def test_a_healthy_start_accepts_and_stops(fake_vllm: None):
+    runner, _, _, stops, _ = make_runner()
+    assert start_in_thread(runner) == [None]
+    assert runner.accepting and runner.engine_dead_message() is None
+    runner.stop(drain_timeout_s=1)
+    assert not runner.accepting and FakeEngine.instances[0].shutdowns == 1 and not stops
+
+
+# -- death after start --------------------------------------------------------------
+
+
+def test_watchdog_fails_requests_in_flight_and_new_ones_then_stops_the_server(
+        fake_vllm: None, monkeypatch: pytest.MonkeyPatch):
+    runner, _, error, stops, metrics = make_runner()
+    assert start_in_thread(runner) == [None]
+    engine = FakeEngine.instances[0]
+    sink = submit(runner, monkeypatch)
+    assert engine.generating.wait(BOUND_S), "the request never reached the engine"
+    engine.die({"EngineCore_DP0": -signal.SIGKILL})  # vLLM's monitor saw its process die; the request hangs
+    assert sink.done.wait(BOUND_S), "the request in flight hung after the engine died"
+    assert sink.errors == ["the model's engine stopped (EngineCore_DP0 was killed by SIGKILL); "
+                           "the server is restarting; retry shortly"]
+    assert not sink.was_cancelled
+    deadline = threading.Event()
+    for _ in range(BOUND_S * 10):
+        if stops:
+            break
+        deadline.wait(0.1)
+    assert stops == [1], "the server was not asked to stop"
+    assert not runner.accepting and runner.engine_dead_message() == sink.errors[0]  # what execute() answers now
+    assert failed(metrics, "engine_dead") == 1 and failed(metrics, "engine_error") == 0
+    assert "vLLM's engine died: EngineCore_DP0 was killed by SIGKILL" in error.text()
+    runner.stop(drain_timeout_s=30)
+    assert runner._thread is None and engine.shutdowns == 1
+
+
+def test_a_request_vllm_fails_before_the_watchdog_looks_is_engine_dead(fake_vllm: None,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    runner, _, _, _, metrics = make_runner()
+    assert start_in_thread(runner) == [None]
+    engine = FakeEngine.instances[0]
+    engine.fail_when_dead = True
+    sink = submit(runner, monkeypatch)
+    assert engine.generating.wait(BOUND_S)
+    engine.die({"EngineCore_DP0": 1})
+    assert sink.done.wait(BOUND_S)
+    assert sink.errors == ["the model's engine stopped (EngineCore_DP0 exited with 1); "
+                           "the server is restarting; retry shortly"]
+    assert failed(metrics, "engine_dead") == 1 and failed(metrics, "engine_error") == 0
+    runner.stop(drain_timeout_s=30)
+
+
+def test_without_exit_server_on_engine_death_the_server_is_left_running(fake_vllm: None,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    runner, _, error, stops, _ = make_runner(restart=False)
+    assert start_in_thread(runner) == [None]
+    engine = FakeEngine.instances[0]
+    sink = submit(runner, monkeypatch)
+    assert engine.generating.wait(BOUND_S)
+    engine.die({})
+    assert sink.done.wait(BOUND_S)
+    assert sink.errors == ["the model's engine stopped (vLLM reports its engine dead); "
+                           "the model stays unavailable until its server is restarted"]
+    runner.stop(drain_timeout_s=30)
+    assert not stops
+    assert "exit_server_on_engine_death is false" in error.text()
+
+
+# -- the decision parts -------------------------------------------------------------
+
+
+def test_engine_watch_tells_once():
+    engine = SimpleNamespace(errored=False, engine_core=None)
+    watch = watchdog.EngineWatch()
+    assert watch.check(None) is None
+    assert watch.check(engine) is None
+    engine.errored = True
+    assert watch.check(engine) == "vLLM reports its engine dead"
+    assert watch.check(engine) is None  # once
+
+
+def test_death_cause_names_processes_and_signals():
+    engine = FakeEngine()
+    assert watchdog.engine_death_cause(engine) is None
+    engine.die({"EngineCore_DP0": -9, "EngineCore_DP1": 0})
+    assert watchdog.engine_death_cause(engine) == "EngineCore_DP0 was killed by SIGKILL, EngineCore_DP1 exited with 0"
+
+    class Broken:
+        @property
+        def errored(self) -> bool:
+            raise RuntimeError("client torn down")
+
+    assert watchdog.engine_death_cause(Broken()) == "its state could not be read: RuntimeError"
+
+
+def test_stop_tritonserver_signals_only_a_tritonserver_parent(monkeypatch: pytest.MonkeyPatch):
+    sent: list[tuple[int, int]] = []
+    log = Log()
+    # Our own parent is no tritonserver: nothing is signalled.
+    assert not watchdog.stop_tritonserver(log, kill=lambda pid, sig: sent.append((pid, sig)))
+    assert not sent and "is not tritonserver" in log.text()
+    assert not watchdog.stop_tritonserver(log, ppid=1, kill=lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setattr(watchdog, "parent_comm", lambda pid: "tritonserver")
+    assert watchdog.stop_tritonserver(log, ppid=4242, kill=lambda pid, sig: sent.append((pid, sig)))
+    assert sent == [(4242, signal.SIGTERM)]
+
+
+def test_parent_comm_reads_proc():
+    assert watchdog.parent_comm(os.getpid()) == open(f"/proc/{os.getpid()}/comm").read().strip()
+    assert watchdog.parent_comm(2**22 + 12345) == ""
+
+
+def test_restart_limit_is_systemds_start_limit():
+    limit = RestartLimit(burst=5, interval_s=600)
+    assert [limit.allow(t) for t in (0, 10, 20, 30, 40)] == [True] * 5
+    assert not limit.allow(50)  # a sixth within 10 minutes
+    assert limit.allow(601)  # the first has left the window
+    assert not RestartLimit(burst=0).allow(0)
+
+
+def test_exit_reasons_are_readable():
+    assert "without being asked to stop" in exit_reason(0)
+    assert exit_reason(-signal.SIGKILL) == "was killed by SIGKILL"
+    assert exit_reason(1) == "exited with status 1"
+
+
+def test_a_failure_is_described_on_one_bounded_line():
+    from llmhost.backend.engine import describe_failure
+
+    pydantic_like = ValueError("1 validation error for ModelConfig\n  Value error, Model architectures ['X'] are "
+                               "not supported for now. [type=value_error, input_value={'model': '/srv/m'}]\n"
+                               "    For further information visit https://errors.pydantic.dev/2/v/value_error\n")
+    assert describe_failure(pydantic_like) == ("ValueError: 1 validation error for ModelConfig Value error, Model "
+                                               "architectures ['X'] are not supported for now.")
+    assert describe_failure(RuntimeError("x" * 5000)) == "RuntimeError: " + "x" * 597 + "..."
+    assert describe_failure(KeyboardInterrupt()) == "KeyboardInterrupt"
