@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run tritonserver with the llmhost vLLM backend in the foreground")
     s.add_argument("--model", type=Path, required=True, help="Hugging Face model directory")
     s.add_argument("--name", default="model", help="model name in Triton (default: model)")
-    s.add_argument("--host", default="127.0.0.1", help="bind address for HTTP, gRPC and metrics")
+    s.add_argument("--host", default="127.0.0.1", help="bind address for HTTP and gRPC (inference)")
+    s.add_argument("--metrics-host", default="127.0.0.1", help="bind address for metrics (default 127.0.0.1)")
     s.add_argument("--http-port", type=_port, default=8000)
     s.add_argument("--grpc-port", type=_port, default=8001)
     s.add_argument("--metrics-port", type=_port, default=8002)
@@ -52,8 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra vLLM engine argument (value parsed as JSON when it can be)")
     s.add_argument("--setting", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="a backend setting of model.json's llmhost section, e.g. --setting stream_interval_ms=0")
+    s.add_argument("--admin-key-file", type=Path, metavar="PATH",
+                   help="file with the key of Triton's admin APIs (header llmhost-admin-key), created with a "
+                        "new key if missing (default: WORKDIR/admin-key)")
     s.add_argument("--triton-arg", action="append", default=[], metavar="--FLAG=VALUE",
                    help="extra tritonserver argument, e.g. --triton-arg=--http-thread-count=32")
+    s.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                   help="restart a tritonserver that exits unasked at most N times within 10 minutes "
+                        "(default 5, like the systemd unit; 0: never)")
 
     k = sub.add_parser("smoke", help="check that an endpoint serves; exit 1 naming what failed")
     k.add_argument("--url", default="http://127.0.0.1:8000", help="Triton HTTP URL")
@@ -170,19 +177,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote tiny model to {path}")
         return 0
     if args.command == "serve":
+        from llmhost.admin_key import AdminKeyError
         from llmhost.layout import LayoutError
         from llmhost.serve import ServeOptions, run
 
         opts = ServeOptions(
-            model=args.model, name=args.name, host=args.host, http_port=args.http_port,
+            model=args.model, name=args.name, host=args.host, metrics_host=args.metrics_host,
+            admin_key_file=args.admin_key_file, http_port=args.http_port,
             grpc_port=args.grpc_port, metrics_port=args.metrics_port, workdir=args.workdir,
             device=args.device, max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
             max_n=args.max_n, drain_timeout_s=args.drain_timeout, kv_cache_gib=args.kv_cache_gib,
             engine_args=dict(args.engine_arg), settings=dict(args.setting), triton_args=list(args.triton_arg),
         )
         try:
-            return run(opts)
-        except LayoutError as exc:
+            return run(opts, max_restarts=args.max_restarts)
+        except (LayoutError, AdminKeyError) as exc:
             print(f"llmhost serve: {exc}", file=sys.stderr)
             return 2
     if args.command == "smoke":

@@ -4,6 +4,10 @@ It lays out a backend directory and a model repository (the layout Ansible deplo
 and supervises tritonserver: SIGINT/SIGTERM are passed on so in-flight requests
 drain, and because this process is a child subreaper, any vLLM EngineCore/Worker
 left behind when tritonserver dies (even by SIGKILL) is re-parented here and reaped.
+Like the systemd unit (Restart=always), a tritonserver that exits without being
+asked to stop after it was ready (it crashed, or our backend stopped it because a
+model's vLLM engine died) is restarted, at most RESTART_BURST times within
+RESTART_INTERVAL_S; one that never got ready is not (its failure would repeat).
 """
 
 from __future__ import annotations
@@ -23,16 +27,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmhost.admin_key import HEADER as ADMIN_HEADER
+from llmhost.admin_key import ensure_key_file, restriction_args
 from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir
 
 PR_SET_CHILD_SUBREAPER = 36
+ADMIN_KEY_FILE = "admin-key"
 
 
 @dataclass
 class ServeOptions:
     model: Path
     name: str = "model"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # HTTP and gRPC (inference)
+    metrics_host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
@@ -47,6 +55,9 @@ class ServeOptions:
     settings: dict[str, Any] = field(default_factory=dict)  # model.json's "llmhost" settings
     log_verbose: int = 0
     triton_args: list[str] = field(default_factory=list)
+    # The key of Triton's admin APIs (llmhost.admin_key); default WORKDIR/admin-key,
+    # created with a new key if missing.
+    admin_key_file: Path | None = None
 
 
 def detect_device() -> str:
@@ -90,19 +101,22 @@ def server_environment(workdir: Path, device: str, kv_cache_gib: int, triton: Tr
     return env
 
 
-def server_command(triton: TritonInstall, workdir: Path, opts: ServeOptions, device: str) -> list[str]:
+def server_command(triton: TritonInstall, workdir: Path, opts: ServeOptions, device: str,
+                   admin_key: str) -> list[str]:
     return [
         str(triton.server),
         f"--model-repository={workdir / 'models'}",
         f"--backend-directory={workdir / 'backends'}",
         f"--http-address={opts.host}", f"--http-port={opts.http_port}",
         f"--grpc-address={opts.host}", f"--grpc-port={opts.grpc_port}",
-        f"--metrics-address={opts.host}", f"--metrics-port={opts.metrics_port}",
+        f"--metrics-address={opts.metrics_host}", f"--metrics-port={opts.metrics_port}",
         f"--allow-gpu-metrics={'true' if device == 'gpu' else 'false'}",
         # Triton waits this long for in-flight requests on shutdown; our backend
         # drains for drain_timeout_s and vLLM needs about 5 s to stop.
         f"--exit-timeout-secs={int(opts.drain_timeout_s) + 30}",
         "--strict-readiness=true",
+        # Health, metadata and inference stay open; every other API needs the key.
+        *restriction_args(admin_key),
         f"--log-verbose={opts.log_verbose}",
         *opts.triton_args,
     ]
@@ -121,7 +135,8 @@ def prepare(opts: ServeOptions) -> tuple[list[str], dict[str, str], Path]:
         shutil.rmtree(repo)
     make_model_dir(repo, model_entry(opts, device))
     env = server_environment(workdir, device, opts.kv_cache_gib, triton)
-    return server_command(triton, workdir, opts, device), env, workdir
+    admin_key, _ = ensure_key_file(opts.admin_key_file or workdir / ADMIN_KEY_FILE)
+    return server_command(triton, workdir, opts, device, admin_key), env, workdir
 
 
 def _become_subreaper() -> bool:
@@ -174,43 +189,108 @@ def wait_ready(url: str, model: str, timeout_s: float, proc: subprocess.Popen[by
     return False
 
 
-def run(opts: ServeOptions, ready_timeout_s: float = 600) -> int:
+# Like the unit's StartLimitBurst/StartLimitIntervalSec: at most this many
+# restarts within this many seconds, then give up.
+RESTART_BURST = 5
+RESTART_INTERVAL_S = 600.0
+RESTART_DELAY_S = 2.0
+
+
+class RestartLimit:
+    """systemd's start limit: at most ``burst`` restarts within ``interval_s``."""
+
+    def __init__(self, burst: int = RESTART_BURST, interval_s: float = RESTART_INTERVAL_S) -> None:
+        self.burst = burst
+        self.interval_s = interval_s
+        self.times: list[float] = []
+
+    def allow(self, now: float) -> bool:
+        """Whether a restart at NOW is allowed; an allowed one is counted."""
+        self.times = [t for t in self.times if now - t < self.interval_s]
+        if len(self.times) >= self.burst:
+            return False
+        self.times.append(now)
+        return True
+
+
+def exit_reason(rc: int) -> str:
+    if rc == 0:
+        return ("exited by itself (status 0) without being asked to stop: a model's engine died "
+                "and the backend stopped the server (its log above says why)")
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with status {rc}"
+
+
+def run(opts: ServeOptions, ready_timeout_s: float = 600, max_restarts: int = RESTART_BURST) -> int:
+    """Run tritonserver until SIGINT/SIGTERM; like systemd with Restart=always, a
+    tritonserver that exits unasked after it was ready is restarted (after its
+    leftovers are reaped), at most MAX_RESTARTS times within RESTART_INTERVAL_S."""
     cmd, env, workdir = prepare(opts)
     _become_subreaper()
-    print(f"llmhost serve: starting tritonserver for model '{opts.name}' ({workdir})", flush=True)
-    proc = subprocess.Popen(cmd, env=env)
     stopping = threading.Event()
+    current: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, _frame: Any) -> None:
         stopping.set()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
+        for proc in current:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     url = f"http://{opts.host}:{opts.http_port}"
 
-    def announce() -> None:
-        if wait_ready(url, opts.name, ready_timeout_s, proc) and not stopping.is_set():
+    def announce(proc: subprocess.Popen[bytes], served: threading.Event) -> None:
+        if wait_ready(url, opts.name, ready_timeout_s, proc):
+            served.set()
+        if served.is_set() and not stopping.is_set():
             body = json.dumps({"text_input": "def main():", "max_tokens": 32})
             print(
                 f"\nllmhost serve: ready. HTTP {url}  gRPC {opts.host}:{opts.grpc_port}  "
-                f"metrics http://{opts.host}:{opts.metrics_port}/metrics\n"
+                f"metrics http://{opts.metrics_host}:{opts.metrics_port}/metrics\n"
+                f"  admin APIs (repository, config, statistics, trace, logging, shared memory) need the "
+                f"header {ADMIN_HEADER} from {opts.admin_key_file or workdir / ADMIN_KEY_FILE}\n"
                 f"  curl -s {url}/v2/models/{opts.name}/generate -d '{body}'\n"
                 f"  curl -sN {url}/v2/models/{opts.name}/generate_stream "
                 f"-d '{json.dumps({'text_input': 'def main():', 'max_tokens': 32, 'stream': True})}'\n"
-                f"  llmhost smoke --url {url} --metrics-url http://{opts.host}:{opts.metrics_port} "
+                f"  llmhost smoke --url {url} --metrics-url http://{opts.metrics_host}:{opts.metrics_port} "
                 f"--grpc-url {opts.host}:{opts.grpc_port} --model {opts.name}\n"
                 "Ctrl-C stops it (in-flight requests drain first).",
                 flush=True,
             )
 
-    threading.Thread(target=announce, daemon=True).start()
-    rc = proc.wait()
-    reaped = reap_leftovers()
-    if reaped:
-        print(f"llmhost serve: reaped {len(reaped)} leftover process(es): {reaped}", file=sys.stderr, flush=True)
-    if stopping.is_set():
-        return 0 if rc in (0, -signal.SIGTERM) else rc
-    print(f"llmhost serve: tritonserver exited with {rc}", file=sys.stderr, flush=True)
-    return rc if rc > 0 else 1
+    limit = RestartLimit(max_restarts, RESTART_INTERVAL_S)
+    restarts = 0
+    while True:
+        print(f"llmhost serve: starting tritonserver for model '{opts.name}' ({workdir})", flush=True)
+        proc = subprocess.Popen(cmd, env=env)
+        current[:] = [proc]
+        if stopping.is_set():  # a signal that came while no tritonserver ran
+            proc.send_signal(signal.SIGTERM)
+        served = threading.Event()
+        threading.Thread(target=announce, args=(proc, served), daemon=True).start()
+        rc = proc.wait()
+        reaped = reap_leftovers()
+        if reaped:
+            print(f"llmhost serve: reaped {len(reaped)} leftover process(es): {reaped}", file=sys.stderr, flush=True)
+        if stopping.is_set():
+            return 0 if rc in (0, -signal.SIGTERM) else rc
+        why = exit_reason(rc)
+        if not served.is_set():
+            # A start that failed (a port in use, a model that does not load) would fail again.
+            print(f"llmhost serve: tritonserver {why} before it was ready; not restarting it",
+                  file=sys.stderr, flush=True)
+            return rc if rc > 0 else 1
+        if not limit.allow(time.monotonic()):
+            print(f"llmhost serve: tritonserver {why}; not restarting it: {max_restarts} restart(s) within "
+                  f"{RESTART_INTERVAL_S:g} s already", file=sys.stderr, flush=True)
+            return rc if rc > 0 else 1
+        restarts += 1
+        print(f"llmhost serve: tritonserver {why}; restarting it in {RESTART_DELAY_S:g} s (restart {restarts}; "
+              f"at most {max_restarts} within {RESTART_INTERVAL_S:g} s)", file=sys.stderr, flush=True)
+        if stopping.wait(RESTART_DELAY_S):
+            return 0

@@ -143,6 +143,8 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("ready timeout not positive", {"triton_service_ready_timeout_s": 0}, ("triton_service_ready_timeout_s",)),
     ("environment not a mapping", {"triton_service_environment": ["A=1"]}, ("triton_service_environment",)),
     ("service user name", {"triton_service_user": "Bad User"}, ("triton_service_user",)),
+    ("metrics bind address empty", {"llmhost_metrics_bind_address": ""}, ("llmhost_metrics_bind_address",)),
+    ("bind address with a space", {"llmhost_bind_address": "127.0.0.1 8000"}, ("llmhost_bind_address",)),
 ]
 
 

@@ -1,7 +1,8 @@
 """One converge of site.yml into the booted host, shared by the system tests.
 
 The host shares this machine's network: Triton, Prometheus and node_exporter are
-reached on 127.0.0.1 at the free ports chosen here.
+reached on 127.0.0.1 at the free ports chosen here, Triton's metrics on their own
+bind address, METRICS_ADDRESS (another loopback address).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from _host import BootedHost, free_port
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 CONVERGE_TIMEOUT_S = 2400
+# llmhost_metrics_bind_address of the converge: not 127.0.0.1, so the tests see
+# metrics and inference on addresses of their own (Linux routes all of 127/8 to lo).
+METRICS_ADDRESS = "127.0.0.2"
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class Converged:
     triton_http: str
     ports: dict[str, int]
     first_converge: subprocess.CompletedProcess[str]
+    triton_metrics: str = ""  # http://METRICS_ADDRESS:PORT
 
 
 def run_playbook(inventory: Path, extra_vars: Path, pip_vars: Path, playbook: str,
@@ -49,12 +54,24 @@ def recap(out: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
 
 
+def changed_tasks(out: str) -> list[str]:
+    """Names of the tasks (and handlers) that reported a change in ansible-playbook's output."""
+    names, task = [], ""
+    for line in out.splitlines():
+        if line.startswith(("TASK [", "RUNNING HANDLER [")):
+            task = line.split("[", 1)[1].rsplit("]", 1)[0]
+        elif line.startswith("changed: [") and task not in names:
+            names.append(task)
+    return names
+
+
 def converge(host: BootedHost, work: Path) -> Converged:
     ports = {k: free_port() for k in ("http", "grpc", "metrics", "node", "prometheus")}
     extra = {
         "triton_http_port": ports["http"],
         "triton_grpc_port": ports["grpc"],
         "triton_metrics_port": ports["metrics"],
+        "llmhost_metrics_bind_address": METRICS_ADDRESS,
         "node_exporter_web_listen_address": f"127.0.0.1:{ports['node']}",
         "prometheus_web_listen_address": f"127.0.0.1:{ports['prometheus']}",
         # Fast scrapes so that rates have samples a few seconds after traffic.
@@ -70,4 +87,5 @@ def converge(host: BootedHost, work: Path) -> Converged:
     first = run_playbook(inventory, extra_vars, host.pip_vars_file, "site.yml")
     assert first.returncode == 0, f"site.yml failed:\n{first.stdout[-8000:]}\n{first.stderr[-3000:]}"
     return Converged(host, inventory, extra_vars, f"http://127.0.0.1:{ports['prometheus']}",
-                     f"http://127.0.0.1:{ports['http']}", ports, first)
+                     f"http://127.0.0.1:{ports['http']}", ports, first,
+                     f"http://{METRICS_ADDRESS}:{ports['metrics']}")

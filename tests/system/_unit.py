@@ -17,7 +17,7 @@ MODEL = "tiny"
 
 def endpoint(c: Converged, model: str = MODEL) -> Endpoint:
     return Endpoint(name=model, http=c.triton_http, grpc=f"127.0.0.1:{c.ports['grpc']}",
-                    metrics=f"http://127.0.0.1:{c.ports['metrics']}")
+                    metrics=c.triton_metrics)
 
 
 def wait_ready(url: str, model: str = MODEL, timeout_s: float = 300) -> bool:

@@ -1,6 +1,7 @@
-"""Faults on the booted host, for real: SIGKILL of tritonserver, `systemctl stop`
-with streams in flight, models whose weights are corrupt or missing, and weights
-staging cut off by a dropped download or a full disk.
+"""Faults on the booted host, for real: SIGKILL of tritonserver or of vLLM's
+EngineCore alone, `systemctl stop` with streams in flight, models whose weights
+are corrupt or missing, and weights staging cut off by a dropped download or a
+full disk.
 
 The host is shared by every system test: each test here leaves it serving the
 tiny model as the converge left it (restoring in `finally`), so the tests after
@@ -26,7 +27,7 @@ import requests
 import yaml
 from _converge import REPO, Converged, run_playbook
 from _host import BootedHost
-from _unit import MODEL, USER, processes, props, shm_segments, unit_pids, wait_ready
+from _unit import MODEL, USER, endpoint, processes, props, shm_segments, unit_pids, wait_ready
 
 from llmhost.smoke import parse_sse
 
@@ -87,6 +88,64 @@ def test_sigkill_of_tritonserver_restarts_it_without_orphans_or_shm(converged: C
     print(f"\nSIGKILL -> ready again in {recovery_s:.1f} s (RestartSec "
           f"{props(host, 'RestartUSec')['RestartUSec']}); {len(old_pids)} processes and "
           f"{len(old_shm)} shm segments of the killed instance, none left")
+
+
+# Acceptance bound: the unit serves again within 2 minutes of its EngineCore's death.
+ENGINE_RECOVERY_BOUND_S = 120
+
+
+def test_sigkill_of_engine_core_fails_requests_then_the_unit_restarts_without_orphans_or_shm(
+        converged: Converged):
+    """vLLM's EngineCore dies alone (SIGKILL) while a stream is in flight: the stream
+    ends with the engine-dead error, the model stops answering ready, and the unit
+    (the backend stops tritonserver, Restart=always) serves again within 2 minutes,
+    with nothing of the old instance left."""
+    host = converged.host
+    assert wait_ready(converged.triton_http, timeout_s=RECOVERY_TIMEOUT_S)
+    before = props(host, "MainPID", "NRestarts")
+    old_pids = unit_pids(host)
+    engine = [p for p, args in processes(host, USER).items() if p in old_pids and args.startswith("VLLM::EngineCore")]
+    assert len(engine) == 1, processes(host, USER)
+    old_shm = shm_segments(host)
+    stream = _Stream()
+    client = threading.Thread(target=_stream, args=(converged.triton_http, stream))
+    client.start()
+    assert stream.started.wait(120) and stream.events, stream.error
+
+    t0 = time.monotonic()
+    host.exec(["kill", "-KILL", str(engine[0])], check=True)
+    client.join(ENGINE_RECOVERY_BOUND_S)
+    assert not client.is_alive(), "the stream in flight hung after the EngineCore died"
+    notice_s = time.monotonic() - t0
+    assert stream.error is not None and "the model's engine stopped" in stream.error, stream.error
+    assert "the server is restarting" in stream.error, stream.error
+    ep = endpoint(converged)
+    while ep.model_ready() and time.monotonic() - t0 < ENGINE_RECOVERY_BOUND_S:
+        time.sleep(0.2)
+    not_ready_s = time.monotonic() - t0
+    assert not_ready_s < ENGINE_RECOVERY_BOUND_S, "the model kept answering ready after its engine died"
+    assert wait_ready(converged.triton_http, timeout_s=max(1.0, ENGINE_RECOVERY_BOUND_S - (time.monotonic() - t0))), \
+        host.exec("journalctl -u tritonserver -n 80 --no-pager").stdout
+    ready_s = time.monotonic() - t0
+    out = requests.post(f"{converged.triton_http}/v2/models/{MODEL}/generate",
+                        json={"text_input": "ok", "max_tokens": 4}, timeout=60)
+    assert out.status_code == 200 and "text_output" in out.json(), out.text
+
+    after = props(host, "MainPID", "NRestarts", "ActiveState")
+    assert after["ActiveState"] == "active"
+    assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1, (before, after)
+    assert after["MainPID"] != before["MainPID"]
+    survivors = {pid: args for pid, args in processes(host).items() if pid in old_pids}
+    assert not survivors, f"orphaned processes of the old instance: {survivors}"
+    assert set(processes(host, USER)) <= unit_pids(host)
+    left = old_shm & shm_segments(host)
+    assert not left, f"/dev/shm segments of the old instance: {left}"
+    log = host.exec("journalctl -u tritonserver --no-pager -o cat -n 600").stdout
+    assert re.search(r"vLLM's engine died: EngineCore\S* was killed by SIGKILL", log), log[-6000:]
+    print(f"\nEngineCore SIGKILL on the host: the stream failed after {notice_s:.1f} s ({stream.error!r}); "
+          f"not ready after {not_ready_s:.1f} s; serving again after {ready_s:.1f} s (RestartSec "
+          f"{props(host, 'RestartUSec')['RestartUSec']}); {len(old_pids)} processes and {len(old_shm)} shm "
+          "segments of the old instance, none left")
 
 
 # -- stop with streams in flight -------------------------------------------------------

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _converge import Converged, recap, run_playbook
+from _converge import Converged, changed_tasks, recap, run_playbook
 from _unit import props, wait_ready
 
 LLMHOST = Path(sys.executable).parent / "llmhost"
@@ -65,7 +65,7 @@ def test_smoke_from_this_machine(converged: Converged):
     p = converged.ports
     done = subprocess.run(
         [str(LLMHOST), "smoke", "--url", converged.triton_http, "--grpc-url", f"127.0.0.1:{p['grpc']}",
-         "--metrics-url", f"http://127.0.0.1:{p['metrics']}", "--model", "tiny", "--json"],
+         "--metrics-url", converged.triton_metrics, "--model", "tiny", "--json"],
         capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(done.stdout)["ok"] is True
@@ -75,7 +75,7 @@ def test_second_converge_changes_nothing(converged: Converged):
     r = run_playbook(converged.inventory, converged.extra_vars, converged.host.pip_vars_file, "site.yml")
     assert r.returncode == 0, r.stdout[-6000:]
     counts = recap(r.stdout)
-    assert counts["changed"] == 0 and counts["failed"] == 0, r.stdout[-6000:]
+    assert counts["changed"] == 0 and counts["failed"] == 0, f"changed: {changed_tasks(r.stdout)}\n{r.stdout[-6000:]}"
 
 
 def test_check_diff_after_converge_changes_nothing(converged: Converged):

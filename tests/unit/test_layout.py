@@ -59,7 +59,8 @@ def test_serve_passes_extra_tritonserver_arguments_last(tmp_path: Path):
                                       "--triton-arg=--log-info=false"])
     assert args.triton_arg == ["--http-thread-count=32", "--log-info=false"]
     triton = TritonInstall.from_pytriton()
-    cmd = server_command(triton, tmp_path, ServeOptions(model=tmp_path, triton_args=args.triton_arg), "cpu")
+    cmd = server_command(triton, tmp_path, ServeOptions(model=tmp_path, triton_args=args.triton_arg), "cpu",
+                         "k" * 64)
     assert cmd[-2:] == ["--http-thread-count=32", "--log-info=false"]
     assert f"--model-repository={tmp_path / 'models'}" in cmd
 
