@@ -48,10 +48,10 @@ def scrape_jobs(config: dict[str, Any]) -> dict[str, dict[str, str]]:
 
 def test_cluster_config_is_valid_and_scrapes_every_host(tmp_path: Path):
     inv = inventory(tmp_path, {
-        "gpu-node-01": {"ansible_host": "10.0.0.11", "llmhost_bind_address": "0.0.0.0"},
-        "gpu-node-02": {"ansible_host": "fd00::12", "llmhost_bind_address": "::", "triton_metrics_port": 9002,
+        "gpu-node-01": {"ansible_host": "10.0.0.11", "llmhost_metrics_bind_address": "0.0.0.0"},
+        "gpu-node-02": {"ansible_host": "fd00::12", "llmhost_metrics_bind_address": "::", "triton_metrics_port": 9002,
                         "node_exporter_web_listen_address": "0.0.0.0:9101"},
-        "mon-01": {"llmhost_bind_address": "127.0.0.1", "triton_metrics_port": 18002},
+        "mon-01": {"llmhost_metrics_bind_address": "127.0.0.1", "triton_metrics_port": 18002},
     }, monitoring="mon-01")
     r = render(tmp_path, inv, prometheus_dcgm_exporter_enabled=True, prometheus_alertmanagers=["10.0.0.5:9093"],
                prometheus_external_labels={"site": "lab"}, prometheus_web_listen_address="0.0.0.0:9090",
@@ -81,11 +81,11 @@ def test_dcgm_targets_follow_the_hosts_that_install_the_exporter(tmp_path: Path)
     """auto (the default) scrapes dcgm-exporter where roles/dcgm_exporter installs it: GPU-profile
     hosts that do not turn it off, on each host's own dcgm_exporter_listen_address."""
     inv = inventory(tmp_path, {
-        "gpu-node-01": {"ansible_host": "10.0.0.11", "llmhost_bind_address": "0.0.0.0"},
-        "gpu-node-02": {"ansible_host": "10.0.0.12", "llmhost_bind_address": "0.0.0.0",
+        "gpu-node-01": {"ansible_host": "10.0.0.11", "llmhost_metrics_bind_address": "0.0.0.0"},
+        "gpu-node-02": {"ansible_host": "10.0.0.12", "llmhost_metrics_bind_address": "0.0.0.0",
                         "dcgm_exporter_listen_address": "10.0.0.12:9500"},
-        "cpu-node": {"ansible_host": "10.0.0.13", "llmhost_bind_address": "0.0.0.0", "llmhost_profile": "cpu"},
-        "gpu-no-dcgm": {"ansible_host": "10.0.0.14", "llmhost_bind_address": "0.0.0.0",
+        "cpu-node": {"ansible_host": "10.0.0.13", "llmhost_metrics_bind_address": "0.0.0.0", "llmhost_profile": "cpu"},
+        "gpu-no-dcgm": {"ansible_host": "10.0.0.14", "llmhost_metrics_bind_address": "0.0.0.0",
                         "dcgm_exporter_enabled": False},
     }, monitoring="mon-01")
     r = render(tmp_path, inv)
@@ -103,7 +103,7 @@ def test_dcgm_targets_follow_the_hosts_that_install_the_exporter(tmp_path: Path)
 
 def test_a_dcgm_exporter_on_loopback_of_another_host_is_refused(tmp_path: Path):
     inv = inventory(tmp_path, {
-        "gpu-node-01": {"ansible_host": "10.0.0.11", "llmhost_bind_address": "0.0.0.0",
+        "gpu-node-01": {"ansible_host": "10.0.0.11", "llmhost_metrics_bind_address": "0.0.0.0",
                         "dcgm_exporter_listen_address": "127.0.0.1:9400"},
     }, monitoring="mon-01")
     r = render(tmp_path, inv)
@@ -129,13 +129,13 @@ def test_a_monitoring_host_without_inference_hosts_is_valid(tmp_path: Path):
 
 def test_preflight_names_the_loopback_binding_another_host_has(tmp_path: Path):
     inv = inventory(tmp_path, {
-        "gpu-node-01": {"ansible_host": "10.0.0.11"},  # llmhost_bind_address defaults to 127.0.0.1
-        "gpu-node-02": {"ansible_host": "10.0.0.12", "llmhost_bind_address": "127.0.0.1",
+        "gpu-node-01": {"ansible_host": "10.0.0.11"},  # llmhost_metrics_bind_address defaults to 127.0.0.1
+        "gpu-node-02": {"ansible_host": "10.0.0.12", "llmhost_metrics_bind_address": "127.0.0.1",
                         "prometheus_scrape_address": "10.1.0.12"},
     }, monitoring="mon-01")
     r = render(tmp_path, inv, prometheus_node_exporter_groups=["monitoring"])
     assert r.returncode != 0
-    assert "gpu-node-01 (triton, llmhost_bind_address)" in r.stdout
+    assert "gpu-node-01 (triton, llmhost_metrics_bind_address)" in r.stdout
     assert "gpu-node-02" not in r.stdout.split("cannot scrape", 1)[1].split("PLAY RECAP")[0]
     assert not (tmp_path / "out" / "prometheus.yml").exists()
 
