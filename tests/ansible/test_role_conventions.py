@@ -1,6 +1,6 @@
 """Role conventions beyond test_argument_specs.py: no argument spec without a default,
 spec defaults equal to defaults/main.yml, `_<role>_` private values, phased tasks,
-handlers with listen:, and inventory files that agree with the role defaults."""
+handlers with listen:, and a variables reference that agrees with the role defaults."""
 
 from __future__ import annotations
 
@@ -76,16 +76,16 @@ def test_handlers_listen_on_topics(role: str) -> None:
         assert handler.get("listen"), f"roles/{role}: handler {handler.get('name')!r} has no listen:"
 
 
-def test_group_vars_agree_with_role_defaults() -> None:
-    """inventory/group_vars/all.yml documents the knobs with the roles' default values."""
+def test_variables_reference_agrees_with_role_defaults() -> None:
+    """docs/variables.yml documents the knobs with the roles' default values."""
     defaults: dict[str, Any] = {}
     for role in ROLES_UNDER_TEST:
         defaults.update(_defaults(role))
-    group_vars = load_yaml(REPO / "inventory" / "group_vars" / "all.yml")
-    unknown = sorted(set(group_vars) - set(defaults))
-    assert not unknown, f"group_vars/all.yml sets variables no role knows: {unknown}"
-    differ = {k: (v, defaults[k]) for k, v in group_vars.items() if defaults[k] != v}
-    assert not differ, f"group_vars/all.yml disagrees with the role defaults (value, default): {differ}"
+    reference = load_yaml(REPO / "docs" / "variables.yml")
+    unknown = sorted(set(reference) - set(defaults))
+    assert not unknown, f"docs/variables.yml lists variables no role knows: {unknown}"
+    differ = {k: (v, defaults[k]) for k, v in reference.items() if defaults[k] != v}
+    assert not differ, f"docs/variables.yml disagrees with the role defaults (value, default): {differ}"
 
 
 def test_demo_vars_are_known_variables() -> None:
