@@ -1,4 +1,4 @@
-"""The `llmhost` command: tiny-model, serve, smoke."""
+"""The `llmhost` command: tiny-model, serve, smoke, bench, gateway."""
 
 from __future__ import annotations
 
@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the result as node_exporter textfile metrics to PATH (*.prom)")
     for name, (_, _, text) in DELEGATED.items():
         sub.add_parser(name, help=f"{text} (see llmhost {name} --help)", add_help=False)
+    sub.add_parser("gateway", add_help=False,
+                   help="OpenAI-compatible API with API keys in front of Triton (see llmhost gateway --help)")
     b = sub.add_parser("bench", help="streaming load test with a concurrency sweep")
     b.add_argument("--url", default="http://127.0.0.1:8000",
                    help="Triton HTTP URL, Triton gRPC HOST:PORT (--kind grpc) or an OpenAI-compatible base URL")
@@ -165,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
 
         module, func, _ = DELEGATED[argv[0]]
         return int(getattr(importlib.import_module(module), func)(argv[1:]))
+    if argv and argv[0] == "gateway":
+        from llmhost.gateway.cli import main as gateway_main
+
+        return gateway_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "tiny-model":
         from llmhost.tiny_model import write_tiny_model

@@ -1,0 +1,58 @@
+"""OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# The status each error type is sent with (OpenAI's own pairing).
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+SERVER = "server_error"
+UNAVAILABLE = "service_unavailable_error"
+
+
+class ApiError(Exception):
+    """An error a client sees, with the HTTP status it is sent with."""
+
+    def __init__(self, status: int, message: str, type_: str = INVALID_REQUEST, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def json(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, INVALID_REQUEST, param, code)
+
+
+def unsupported(param: str, why: str = "is not supported by this server") -> ApiError:
+    return ApiError(400, f"'{param}' {why}", INVALID_REQUEST, param, "unsupported_parameter")
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, AUTHENTICATION, None, "invalid_api_key")
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(404, f"The model '{model}' does not exist or is not served here", NOT_FOUND, "model",
+                    "model_not_found")
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body is larger than {limit} bytes", INVALID_REQUEST, None,
+                    "request_too_large")
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, UNAVAILABLE, None, "upstream_unavailable")

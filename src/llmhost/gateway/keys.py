@@ -1,0 +1,125 @@
+"""API keys: named, stored as SHA-256 hashes, checked in constant time.
+
+The keys file (JSON or YAML) holds only hashes, never a key::
+
+    keys:
+      - name: alice
+        sha256: 2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae
+        max_tokens: 256        # optional: the largest max_tokens this key may ask for
+
+``llmhost gateway hash-key`` prints the hash of a key read from stdin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
+# A key shorter than this is refused by hash-key: guessable.
+MIN_KEY_CHARS = 16
+
+
+class KeysError(ValueError):
+    """The keys file is unusable; the message names the entry and the field."""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    name: str
+    sha256: str
+    max_tokens: int | None = None
+
+
+def hash_key(key: str) -> str:
+    """The hex SHA-256 of a key, as the keys file stores it."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def _entry(i: int, raw: Any) -> ApiKey:
+    where = f"keys[{i}]"
+    if not isinstance(raw, dict):
+        raise KeysError(f"{where} must be a mapping with 'name' and 'sha256'")
+    extra = sorted(set(raw) - {"name", "sha256", "max_tokens"})
+    if extra:
+        raise KeysError(f"{where} has unknown field(s) {extra}; allowed: name, sha256, max_tokens")
+    name, digest, cap = raw.get("name"), raw.get("sha256"), raw.get("max_tokens")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise KeysError(f"{where}.name must be 1-64 letters, digits or _.@- (got {type(name).__name__})")
+    if not isinstance(digest, str) or not _HEX64.match(digest.lower()):
+        raise KeysError(f"{where}.sha256 must be 64 hex digits (the output of `llmhost gateway hash-key`)")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise KeysError(f"{where}.max_tokens must be a positive integer")
+    return ApiKey(name, digest.lower(), cap)
+
+
+def parse_keys(text: str, source: str = "keys file") -> list[ApiKey]:
+    """Keys from JSON or YAML text (JSON is YAML, but JSON is tried first)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark is not None else ""
+            raise KeysError(f"{source} is neither JSON nor YAML{at}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("keys"), list):
+        raise KeysError(f"{source} must be a mapping with a 'keys' list")
+    extra = sorted(set(data) - {"keys"})
+    if extra:
+        raise KeysError(f"{source} has unknown top-level field(s) {extra}")
+    keys = [_entry(i, raw) for i, raw in enumerate(data["keys"])]
+    seen: set[str] = set()
+    for k in keys:
+        if k.name in seen:
+            raise KeysError(f"{source} names key '{k.name}' twice")
+        seen.add(k.name)
+    if len({k.sha256 for k in keys}) != len(keys):
+        raise KeysError(f"{source} holds the same key hash twice")
+    return keys
+
+
+def load_keys(path: Path) -> list[ApiKey]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise KeysError(f"cannot read the keys file: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise KeysError("the keys file is not UTF-8 text") from None
+    return parse_keys(text)
+
+
+class KeyStore:
+    def __init__(self, keys: list[ApiKey]) -> None:
+        self.keys = list(keys)
+
+    def find(self, presented: str) -> ApiKey | None:
+        """The key whose hash matches; every stored hash is compared, in constant time."""
+        digest = hash_key(presented).encode()
+        found = None
+        for k in self.keys:
+            if hmac.compare_digest(digest, k.sha256.encode()):
+                found = k
+        return found
+
+    def authenticate(self, authorization: str | None) -> ApiKey:
+        from llmhost.gateway.errors import unauthorized
+
+        if not authorization:
+            raise unauthorized("missing API key: send the header 'Authorization: Bearer <key>'")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise unauthorized("the Authorization header must be 'Bearer <key>'")
+        key = self.find(token.strip())
+        if key is None:
+            raise unauthorized("incorrect API key")
+        return key

@@ -1,0 +1,150 @@
+"""An OpenAI request -> our backend's inputs and sampling parameters."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from llmhost.gateway.errors import invalid, unsupported
+from llmhost.gateway.openai_models import (
+    UNSUPPORTED_COMMON,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+)
+
+# Sampling fields passed to the backend under the same name when given.
+PASSED = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+          "repetition_penalty", "ignore_eos", "min_tokens")
+
+
+@dataclass
+class BackendRequest:
+    """What one upstream request carries (see README "The API")."""
+
+    model: str
+    text_input: str | None
+    messages: list[dict[str, str]] | None
+    sampling: dict[str, Any]
+    stream: bool
+    n: int
+    include_usage: bool
+    chat: bool
+    user: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# Names pydantic puts into an error's location for the member of a union.
+_UNION_TAGS = frozenset({"str", "list[str]", "list[TextPart]"})
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _validation_error(exc: ValidationError) -> Exception:
+    err = exc.errors(include_url=False)[0]
+    loc = tuple(p for p in err["loc"] if p not in _UNION_TAGS)
+    param = _param(loc) or None
+    if err["type"] == "extra_forbidden":
+        return unsupported(param or "?", "is not a known field")
+    if err["type"] == "missing":
+        return invalid(f"missing required field '{param}'", param, "missing_required_parameter")
+    return invalid(f"invalid value for '{param}': {err['msg']}", param, "invalid_value")
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name in UNSUPPORTED_COMMON:
+        if name in body and body[name] not in (None, False):
+            raise unsupported(name)
+
+
+def parse_body(raw: bytes, chat: bool) -> ChatCompletionRequest | CompletionRequest:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise invalid("the request body is not valid JSON", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None, "invalid_json")
+    _refuse_unsupported(body)
+    body = {k: v for k, v in body.items() if not (k in UNSUPPORTED_COMMON and v in (None, False))}
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _structured(fmt: ResponseFormat | None) -> dict[str, Any]:
+    if fmt is None or fmt.type == "text":
+        if fmt is not None and fmt.json_schema is not None:
+            raise invalid("'response_format.json_schema' needs type 'json_schema'", "response_format.type")
+        return {}
+    if fmt.type == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if fmt.json_schema is None:
+        raise invalid("response_format of type 'json_schema' needs a 'json_schema' object",
+                      "response_format.json_schema", "missing_required_parameter")
+    return {"json_schema": fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {"type": "object"}}
+
+
+def _max_tokens(req: ChatCompletionRequest | CompletionRequest, cap: int | None) -> int | None:
+    """The requested max_tokens, refused above the key's cap; the cap when none is asked."""
+    asked, name = req.max_tokens, "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        if asked is not None and asked != req.max_completion_tokens:
+            raise invalid("give max_tokens or max_completion_tokens, not two different values",
+                          "max_completion_tokens")
+        asked, name = req.max_completion_tokens, "max_completion_tokens"
+    if cap is not None and asked is not None and asked > cap:
+        raise invalid(f"'{name}' is {asked}; this API key may ask for at most {cap}", name, "max_tokens_above_cap")
+    return asked if asked is not None else cap
+
+
+def _content(content: str | list[Any]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None = None) -> BackendRequest:
+    chat = isinstance(req, ChatCompletionRequest)
+    sampling: dict[str, Any] = {}
+    for name in PASSED:
+        value = getattr(req, name)
+        if value is not None:
+            sampling[name] = value
+    if req.stop is not None:
+        sampling["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    max_tokens = _max_tokens(req, cap)
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    sampling.update(_structured(req.response_format))
+    if req.stream_options is not None and not req.stream:
+        raise invalid("'stream_options' is only allowed with stream: true", "stream_options")
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    text_input = messages = None
+    if isinstance(req, ChatCompletionRequest):
+        messages = []
+        for m in req.messages:
+            msg = {"role": m.role, "content": _content(m.content)}
+            if m.name is not None:
+                msg["name"] = m.name
+            messages.append(msg)
+    else:
+        if isinstance(req.prompt, list):
+            if len(req.prompt) != 1:
+                raise unsupported("prompt", "must be one string (a list of several prompts is not supported)")
+            text_input = req.prompt[0]
+        else:
+            text_input = req.prompt
+    return BackendRequest(model=req.model, text_input=text_input, messages=messages, sampling=sampling,
+                          stream=bool(req.stream), n=req.n or 1, include_usage=include_usage, chat=chat,
+                          user=req.user)

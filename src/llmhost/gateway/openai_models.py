@@ -1,0 +1,83 @@
+"""OpenAI request bodies as pydantic models. Unknown fields are refused by name
+(``extra="forbid"``); fields of OpenAI's API this server does not implement are
+refused by name before validation (``UNSUPPORTED``) unless left at their null/off
+value."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+# Fields of OpenAI's (or vLLM's) API that exist but are not served here.
+UNSUPPORTED_COMMON = ("logprobs", "top_logprobs", "logit_bias", "suffix", "echo", "best_of", "tools",
+                      "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
+                      "modalities", "prediction", "store", "metadata", "service_tier", "reasoning_effort",
+                      "web_search_options", "prompt_logprobs", "guided_json", "guided_regex",
+                      "guided_choice", "guided_grammar", "structured_outputs", "use_beam_search",
+                      "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+
+Number = float
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class _Sampling(_Strict):
+    model: str = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Number | None = Field(default=None, ge=0)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
+    n: StrictInt | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
+    user: str | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    # vLLM's extra sampling fields, as its OpenAI server accepts them.
+    top_k: StrictInt | None = None
+    min_p: Number | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: Number | None = Field(default=None, gt=0)
+    ignore_eos: StrictBool | None = None
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+    response_format: ResponseFormat | None = None

@@ -1,0 +1,162 @@
+"""The Triton client: our backend over gRPC streaming (``ModelStreamInfer``).
+
+Uses tritonclient's generated gRPC stubs on a ``grpc.aio`` channel: the asyncio
+client's ``stream_infer`` cannot ask for the empty final response
+(``triton_enable_empty_final_response``) that tells when a decoupled model is done.
+Each request gets its own stream; cancelling the call (a client that went away)
+cancels the request in Triton, and our backend then aborts it in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from llmhost.gateway.errors import ApiError, invalid, unavailable
+from llmhost.gateway.mapping import BackendRequest
+
+# Backend messages that mean "this server cannot serve now; retry" (503), not
+# "your request is wrong" (400). See llmhost.backend.watchdog and model.py.
+_UNAVAILABLE_MARKERS = ("engine stopped", "shutting down")
+_MAX_MESSAGE = 64 * 1024 * 1024
+
+
+@dataclass
+class Piece:
+    """One backend response: text per completion (deltas when streaming)."""
+
+    texts: list[str]
+    finish_reasons: list[str]
+    num_input_tokens: int | None
+    num_output_tokens: list[int]
+    final: bool
+
+
+def _bytes_tensor(values: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(v)) + v for v in values)
+
+
+def build_request(req: BackendRequest, request_id: str) -> Any:
+    """The ModelInferRequest for one backend request (inputs as raw contents)."""
+    msg = service_pb2.ModelInferRequest(model_name=req.model, id=request_id)
+    msg.parameters["triton_enable_empty_final_response"].bool_param = True
+    text = req.text_input if req.text_input is not None else json.dumps(req.messages)
+    tensors: list[tuple[str, str, bytes]] = [
+        ("text_input" if req.text_input is not None else "messages", "BYTES",
+         _bytes_tensor([text.encode("utf-8", "surrogatepass")])),
+        ("sampling_parameters", "BYTES", _bytes_tensor([json.dumps(req.sampling).encode()])),
+    ]
+    for name, flag in (("stream", req.stream), ("exclude_input_in_output", True), ("return_finish_reason", True),
+                       ("return_num_input_tokens", True), ("return_num_output_tokens", True)):
+        tensors.append((name, "BOOL", b"\x01" if flag else b"\x00"))
+    for name, dtype, raw in tensors:
+        t = msg.inputs.add()
+        t.name, t.datatype = name, dtype
+        t.shape.append(1)
+        msg.raw_input_contents.append(raw)
+    return msg
+
+
+def _decode_bytes(raw: bytes) -> list[str]:
+    out, at = [], 0
+    while at + 4 <= len(raw):
+        (n,) = struct.unpack_from("<I", raw, at)
+        out.append(raw[at + 4:at + 4 + n].decode("utf-8", "replace"))
+        at += 4 + n
+    return out
+
+
+def parse_response(resp: Any) -> Piece:
+    """A ModelInferResponse -> Piece (outputs absent from it stay empty)."""
+    values: dict[str, Any] = {}
+    for out, raw in zip(resp.outputs, resp.raw_output_contents, strict=False):
+        if out.datatype == "BYTES":
+            values[out.name] = _decode_bytes(raw)
+        elif out.datatype == "UINT32":
+            values[out.name] = list(struct.unpack(f"<{len(raw) // 4}I", raw))
+    final_param = resp.parameters.get("triton_final_response")
+    inputs = values.get("num_input_tokens")
+    return Piece(texts=values.get("text_output", []), finish_reasons=values.get("finish_reason", []),
+                 num_input_tokens=inputs[0] if inputs else None,
+                 num_output_tokens=values.get("num_output_tokens", []),
+                 final=bool(final_param is not None and final_param.bool_param))
+
+
+def classify(message: str) -> ApiError:
+    """A backend error message -> the error the client sees."""
+    if any(m in message for m in _UNAVAILABLE_MARKERS):
+        return unavailable(message)
+    if message.startswith("internal error"):
+        return ApiError(500, message, "server_error", None, "internal_error")
+    if "unknown model" in message.lower():
+        return ApiError(404, message, "not_found_error", "model", "model_not_found")
+    return invalid(message, None, "invalid_request")
+
+
+class Upstream:
+    """One Triton server (HOST:PORT of its gRPC endpoint)."""
+
+    def __init__(self, target: str, timeout_s: float = 5.0) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: Any = None
+
+    def _get_stub(self) -> Any:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=[
+                ("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def model_ready(self, model: str) -> bool:
+        """Whether the model is ready; an unreachable server raises 503."""
+        try:
+            resp = await self._get_stub().ModelReady(service_pb2.ModelReadyRequest(name=model),
+                                                     timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise unavailable("the inference server is not reachable; retry shortly") from None
+            return False
+        return bool(resp.ready)
+
+    async def generate(self, req: BackendRequest) -> AsyncIterator[Piece]:
+        """The backend's responses for one request. Leaving the iteration early
+        (an exception, a cancelled task, ``aclose``) cancels the upstream request."""
+        request = build_request(req, uuid.uuid4().hex)
+        done = asyncio.Event()
+
+        async def requests() -> AsyncIterator[Any]:
+            yield request
+            await done.wait()  # keep the stream open until the last response
+
+        call = self._get_stub().ModelStreamInfer(requests())
+        try:
+            async for resp in call:
+                if resp.error_message:
+                    raise classify(resp.error_message)
+                piece = parse_response(resp.infer_response)
+                yield piece
+                if piece.final:
+                    return
+            raise unavailable("the inference server closed the stream early; retry shortly")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                raise
+            raise unavailable("the inference server is not reachable; retry shortly") from None
+        finally:
+            done.set()
+            call.cancel()

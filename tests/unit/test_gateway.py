@@ -1,0 +1,457 @@
+"""The gateway without a server: request mapping, error objects, keys, SSE chunks,
+and the ASGI app against a fake upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from llmhost.gateway.app import create_app
+from llmhost.gateway.config import GatewayConfig
+from llmhost.gateway.errors import ApiError, unavailable
+from llmhost.gateway.keys import KeysError, KeyStore, hash_key, parse_keys
+from llmhost.gateway.mapping import BackendRequest, parse_body, to_backend
+from llmhost.gateway.responses import stream_chunks
+from llmhost.gateway.upstream import Piece, build_request, classify, parse_response
+
+KEY = "unit-key-0123456789abcdef"
+
+
+def _chat(**kw: Any) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}).encode()
+
+
+def _map(raw: bytes, chat: bool = True, cap: int | None = None) -> BackendRequest:
+    return to_backend(parse_body(raw, chat), cap)
+
+
+# --- mapping ---------------------------------------------------------------
+
+def test_chat_maps_every_sampling_field():
+    req = _map(_chat(max_completion_tokens=7, temperature=0.5, top_p=0.9, n=2, stop="x", seed=3,
+                     presence_penalty=0.1, frequency_penalty=0.2, top_k=5, min_p=0.1, repetition_penalty=1.1,
+                     ignore_eos=True, min_tokens=2, user="u"))
+    assert req.messages == [{"role": "user", "content": "hi"}] and req.text_input is None
+    assert req.sampling == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "n": 2, "stop": ["x"], "seed": 3,
+                            "presence_penalty": 0.1, "frequency_penalty": 0.2, "top_k": 5, "min_p": 0.1,
+                            "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 2}
+    assert req.n == 2 and req.chat and not req.stream and req.user == "u"
+
+
+def test_content_parts_are_joined_and_name_kept():
+    raw = json.dumps({"model": "m", "messages": [
+        {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "s"}]})
+    assert _map(raw.encode()).messages == [{"role": "system", "content": "ab", "name": "s"}]
+
+
+def test_completion_prompt_and_stream_options():
+    req = _map(json.dumps({"model": "m", "prompt": ["p"], "stream": True,
+                           "stream_options": {"include_usage": True}}).encode(), chat=False)
+    assert req.text_input == "p" and req.stream and req.include_usage and req.sampling == {}
+
+
+def test_response_format_maps_to_the_backend_json_schema():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = _map(_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
+    assert req.sampling == {"json_schema": schema}
+    assert _map(_chat(response_format={"type": "json_object"})).sampling == {"json_schema": {"type": "object"}}
+    assert _map(_chat(response_format={"type": "text"})).sampling == {}
+
+
+@pytest.mark.parametrize(("body", "param", "status"), [
+    (_chat(tools=[{"type": "function"}]), "tools", 400),
+    (_chat(logprobs=True), "logprobs", 400),
+    (_chat(bogus=1), "bogus", 400),
+    (_chat(temperature=-0.1), "temperature", 400),
+    (_chat(top_p=0), "top_p", 400),
+    (_chat(max_tokens=0), "max_tokens", 400),
+    (_chat(n="2"), "n", 400),
+    (_chat(stream_options={"include_usage": True}), "stream_options", 400),
+    (_chat(response_format={"type": "json_schema"}), "response_format.json_schema", 400),
+    (_chat(response_format={"type": "xml"}), "response_format.type", 400),
+    (_chat(max_tokens=3, max_completion_tokens=4), "max_completion_tokens", 400),
+    (json.dumps({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": []}]}).encode(),
+     "messages[0].tool_calls", 400),
+    (json.dumps({"model": "m", "messages": [{"role": "robot", "content": "x"}]}).encode(), "messages[0].role", 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), "model", 400),
+    (b"{not json", None, 400),
+    (b"[1]", None, 400),
+])
+def test_bad_requests_name_the_field(body, param, status):
+    with pytest.raises(ApiError) as info:
+        _map(body)
+    assert info.value.status == status and info.value.param == param
+    if param:
+        assert param.split("[")[0].split(".")[0] in info.value.message
+
+
+def test_null_or_false_unsupported_fields_are_accepted():
+    assert _map(_chat(logprobs=False, tools=None)).sampling == {}
+
+
+def test_several_prompts_are_refused_by_name():
+    with pytest.raises(ApiError) as info:
+        _map(json.dumps({"model": "m", "prompt": ["a", "b"]}).encode(), chat=False)
+    assert info.value.param == "prompt"
+
+
+def test_key_cap_refuses_above_and_is_the_default():
+    with pytest.raises(ApiError) as info:
+        _map(_chat(max_tokens=9), cap=8)
+    assert info.value.param == "max_tokens" and "8" in info.value.message
+    assert _map(_chat(), cap=8).sampling == {"max_tokens": 8}
+    assert _map(_chat(max_tokens=4), cap=8).sampling == {"max_tokens": 4}
+
+
+# --- error objects and upstream classification ------------------------------
+
+def test_error_object_shape():
+    body = json.loads(ApiError(400, "m", param="p", code="c").json())
+    assert body == {"error": {"message": "m", "type": "invalid_request_error", "param": "p", "code": "c"}}
+
+
+@pytest.mark.parametrize(("message", "status"), [
+    ("sampling parameter 'temperature' must be >= 0", 400),
+    ("the model's engine stopped (EngineCore died); the server is restarting; retry shortly", 503),
+    ("the model is shutting down; retry on another instance", 503),
+    ("internal error: KeyError; the server log has the details", 500),
+    ("Request for unknown model: 'x' is not found", 404),
+])
+def test_backend_errors_are_classified(message, status):
+    err = classify(message)
+    assert err.status == status and err.message == message
+
+
+# --- keys --------------------------------------------------------------------
+
+def test_keys_from_yaml_and_json_authenticate():
+    yml = f"keys:\n  - name: a\n    sha256: {hash_key(KEY)}\n    max_tokens: 5\n"
+    for text in (yml, json.dumps({"keys": [{"name": "a", "sha256": hash_key(KEY), "max_tokens": 5}]})):
+        store = KeyStore(parse_keys(text))
+        key = store.authenticate(f"Bearer {KEY}")
+        assert key.name == "a" and key.max_tokens == 5
+
+
+@pytest.mark.parametrize("header", [None, "", "Bearer", "Basic abc", f"Bearer {KEY}x", "Bearer wrong"])
+def test_missing_or_wrong_key_is_401(header):
+    store = KeyStore(parse_keys(json.dumps({"keys": [{"name": "a", "sha256": hash_key(KEY)}]})))
+    with pytest.raises(ApiError) as info:
+        store.authenticate(header)
+    assert info.value.status == 401 and info.value.type == "authentication_error"
+
+
+@pytest.mark.parametrize(("text", "names"), [
+    ("keys: [{name: a}]", "keys[0].sha256"),
+    ("keys: [{name: a, sha256: abc}]", "keys[0].sha256"),
+    (f"keys: [{{name: 'a b', sha256: {hash_key(KEY)}}}]", "keys[0].name"),
+    (f"keys: [{{name: a, sha256: {hash_key(KEY)}, key: x}}]", "unknown field"),
+    (f"keys: [{{name: a, sha256: {hash_key(KEY)}, max_tokens: 0}}]", "keys[0].max_tokens"),
+    (f"keys: [{{name: a, sha256: {hash_key(KEY)}}}, {{name: a, sha256: {hash_key(KEY + 'x')}}}]", "twice"),
+    ("[]", "'keys' list"),
+    ("keys: [", "neither JSON nor YAML"),
+])
+def test_bad_keys_files_name_the_entry(text, names):
+    with pytest.raises(KeysError, match=names.replace("[", r"\[").replace("]", r"\]")):
+        parse_keys(text)
+
+
+def test_hash_key_cli_reads_stdin(monkeypatch, capsys):
+    import io
+
+    from llmhost.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(KEY + "\n"))
+    assert main(["gateway", "hash-key"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == hash_key(KEY) and KEY not in out
+    monkeypatch.setattr("sys.stdin", io.StringIO("short\n"))
+    assert main(["gateway", "hash-key"]) == 2
+
+
+# --- Triton wire format ---------------------------------------------------------
+
+def test_build_request_carries_inputs_and_asks_for_the_final_flag():
+    req = _map(_chat(max_tokens=3, stream=True))
+    msg = build_request(req, "rid")
+    names = [t.name for t in msg.inputs]
+    assert names[:2] == ["messages", "sampling_parameters"] and "text_input" not in names
+    assert msg.parameters["triton_enable_empty_final_response"].bool_param
+    raw = dict(zip(names, msg.raw_input_contents, strict=True))
+    assert json.loads(raw["sampling_parameters"][4:]) == {"max_tokens": 3}
+    assert raw["stream"] == b"\x01" and raw["return_num_output_tokens"] == b"\x01"
+
+
+def test_parse_response_reads_outputs():
+    import struct
+
+    from tritonclient.grpc import service_pb2
+
+    resp = service_pb2.ModelInferResponse()
+    for name, dtype, raw in (("text_output", "BYTES", struct.pack("<I", 2) + b"ab" + struct.pack("<I", 1) + b"c"),
+                             ("finish_reason", "BYTES", struct.pack("<I", 6) + b"length" + struct.pack("<I", 0)),
+                             ("num_input_tokens", "UINT32", struct.pack("<I", 4)),
+                             ("num_output_tokens", "UINT32", struct.pack("<2I", 5, 6))):
+        out = resp.outputs.add()
+        out.name, out.datatype = name, dtype
+        resp.raw_output_contents.append(raw)
+    resp.parameters["triton_final_response"].bool_param = True
+    assert parse_response(resp) == Piece(["ab", "c"], ["length", ""], 4, [5, 6], True)
+
+
+# --- SSE chunks ------------------------------------------------------------------
+
+def _events(data: bytes) -> list[Any]:
+    out = []
+    for block in data.decode().split("\n\n"):
+        if block:
+            assert block.startswith("data: ")
+            payload = block[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+async def _pieces(*pieces: Piece) -> AsyncIterator[Piece]:
+    for p in pieces:
+        yield p
+
+
+def _collect(req: BackendRequest, pieces: list[Piece]) -> list[Any]:
+    async def run() -> bytes:
+        return b"".join([c async for c in stream_chunks(req, pieces[0], _pieces(*pieces[1:]), "id1")])
+
+    return _events(asyncio.run(run()))
+
+
+def test_chat_chunks_role_content_finish_usage_done():
+    req = _map(_chat(stream=True, stream_options={"include_usage": True}))
+    events = _collect(req, [Piece(["He"], [], 3, [1], False), Piece(["llo"], ["length"], 3, [2], True)])
+    assert events[-1] == "[DONE]"
+    first, a, b, last = events[:-1]
+    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}]
+    assert first["object"] == "chat.completion.chunk" and first["usage"] is None
+    assert a["choices"][0]["delta"] == {"content": "He"} and a["usage"] is None
+    assert b["choices"][0]["delta"] == {"content": "llo"} and b["choices"][0]["finish_reason"] == "length"
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 2,
+                                                       "total_tokens": 5}
+
+
+def test_completion_chunks_without_usage_and_with_n2():
+    req = _map(json.dumps({"model": "m", "prompt": "p", "stream": True, "n": 2}).encode(), chat=False)
+    events = _collect(req, [Piece(["a", ""], [], 1, [1, 0], False), Piece(["b", "c"], ["stop", "length"], 1,
+                                                                          [2, 1], True)])
+    assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])
+    assert events[0]["choices"] == [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in events[1]["choices"]] == [
+        (0, "b", "stop"), (1, "c", "length")]
+    assert events[0]["object"] == "text_completion"
+
+
+def test_an_error_mid_stream_is_an_error_event():
+    async def failing() -> AsyncIterator[Piece]:
+        yield Piece(["x"], [], 1, [1], False)
+        raise unavailable("the inference server is not reachable; retry shortly")
+
+    req = _map(_chat(stream=True))
+
+    async def run() -> bytes:
+        return b"".join([c async for c in stream_chunks(req, None, failing(), "id")])
+
+    events = _events(asyncio.run(run()))
+    assert events[-2]["error"]["code"] == "upstream_unavailable" and events[-1] == "[DONE]"
+
+
+# --- the app against a fake upstream ------------------------------------------------
+
+class FakeUpstream:
+    def __init__(self) -> None:
+        self.seen: list[BackendRequest] = []
+
+    async def model_ready(self, model: str) -> bool:
+        return True
+
+    async def generate(self, req: BackendRequest) -> AsyncIterator[Piece]:
+        self.seen.append(req)
+        if req.sampling.get("temperature") == 1.5:
+            raise classify("sampling parameter 'x' is bad")
+        yield Piece(["hello"], ["stop"], 2, [1], True)
+
+
+def _app(fake: FakeUpstream, max_body: int = 1024) -> httpx.AsyncClient:
+    keys = KeyStore(parse_keys(json.dumps({"keys": [{"name": "a", "sha256": hash_key(KEY)}]})))
+    app = create_app(GatewayConfig(upstream="x:1", models=["m"], max_body_bytes=max_body), keys, fake)  # type: ignore[arg-type]
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
+                             headers={"Authorization": f"Bearer {KEY}"})
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_app_answers_models_chat_and_errors():
+    fake = FakeUpstream()
+
+    async def run() -> None:
+        async with _app(fake) as c:
+            r = await c.get("/v1/models")
+            assert r.json() == {"object": "list", "data": [{"id": "m", "object": "model", "created": 0,
+                                                            "owned_by": "llmhost"}]}
+            r = await c.get("/v1/models/m")
+            assert r.json() == {"id": "m", "object": "model", "created": 0, "owned_by": "llmhost"}
+            r = await c.get("/v1/models/other")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            r = await c.post("/v1/chat/completions", content=_chat())
+            body = r.json()
+            assert r.status_code == 200 and body["choices"][0]["message"]["content"] == "hello"
+            assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+            r = await c.post("/v1/chat/completions", content=_chat(temperature=1.5))
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+            r = await c.post("/v1/chat/completions", content=_chat(model="other"))
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            r = await c.post("/v1/completions", content=b"x" * 2000)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+            r = await c.post("/v1/completions", content=_chat(), headers={"Authorization": "Bearer nope"})
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            r = await c.get("/v2/models/m/config")
+            assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+            r = await c.get("/v1/chat/completions")
+            assert r.status_code == 405 and "error" in r.json()
+            r = await c.post("/v1/chat/completions", content=_chat(stream=True))
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            assert "content-length" not in r.headers
+            assert r.text.endswith("data: [DONE]\n\n")
+
+    _run(run())
+    assert len(fake.seen) == 3  # 401, 404 and 413 never reach the upstream
+
+
+def test_app_checks_the_body_size_before_reading_it_all():
+    fake = FakeUpstream()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(100):
+            yield b"x" * 100
+
+    async def run() -> None:
+        async with _app(fake, max_body=500) as c:
+            r = await c.post("/v1/completions", content=chunks())
+            assert r.status_code == 413
+
+    _run(run())
+    assert fake.seen == []
+
+
+class HangingUpstream(FakeUpstream):
+    """Sends one piece (or none), then waits forever; records being cancelled."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.first = first
+        self.cancelled = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def generate(self, req: BackendRequest) -> AsyncIterator[Piece]:
+        try:
+            if self.first:
+                yield Piece(["x"], [], 1, [1], False)
+            self.waiting.set()
+            await asyncio.Event().wait()
+            yield Piece([], [], 1, [1], True)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        finally:
+            self.cancelled.set()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_cancels_the_upstream_request(stream):
+    fake = HangingUpstream(first=stream)
+    keys = KeyStore(parse_keys(json.dumps({"keys": [{"name": "a", "sha256": hash_key(KEY)}]})))
+    app = create_app(GatewayConfig(upstream="x:1", models=["m"]), keys, fake)  # type: ignore[arg-type]
+    body = _chat(stream=stream)
+
+    async def run() -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+        gone = asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"",
+                 "query_string": b"", "root_path": "", "server": ("gw", 80), "client": ("c", 1),
+                 "headers": [(b"authorization", f"Bearer {KEY}".encode()),
+                             (b"content-length", str(len(body)).encode())]}
+        task = asyncio.ensure_future(app(scope, receive, send))
+        await asyncio.wait_for(fake.waiting.wait(), 10)  # in flight, waiting on the upstream
+        for _ in range(100):  # let a streamed chunk reach the client
+            await asyncio.sleep(0)
+        assert not fake.cancelled.is_set() and not task.done()
+        gone.set()
+        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(fake.cancelled.wait(), 10)
+        return sent
+
+    sent = _run(run())
+    assert fake.cancelled.is_set()
+    if stream:
+        assert sent[0]["status"] == 200 and b'"content":"x"' in b"".join(m.get("body", b"") for m in sent)
+
+
+def test_an_unreachable_upstream_is_503():
+    from llmhost.gateway.upstream import Upstream
+    from tests.conftest import free_port
+
+    up = Upstream(f"127.0.0.1:{free_port()}", timeout_s=2)
+
+    async def run() -> tuple[ApiError, ApiError]:
+        with pytest.raises(ApiError) as ready:
+            await up.model_ready("m")
+        req = _map(_chat())
+        with pytest.raises(ApiError) as gen:
+            async for _ in up.generate(req):
+                pass
+        await up.close()
+        return ready.value, gen.value
+
+    ready, gen = _run(run())
+    assert ready.status == 503 and gen.status == 503 and gen.type == "service_unavailable_error"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (None, "cannot read the keys file"),
+    ("keys: []\n", "holds no keys"),
+    ("keys: [{name: a, sha256: nothex}]\n", "keys[0].sha256"),
+])
+def test_gateway_cli_refuses_a_bad_keys_file(tmp_path, capsys, text, expected):
+    from llmhost.cli import main
+
+    path = tmp_path / "keys.yml"
+    if text is not None:
+        path.write_text(text)
+    assert main(["gateway", "--keys-file", str(path), "--model", "m"]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("bad", [["--upstream", "nohost"], ["--listen", "127.0.0.1:0"], ["--max-body-bytes", "0"]])
+def test_gateway_cli_refuses_bad_options_by_name(tmp_path, capsys, bad):
+    from llmhost.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["gateway", "--keys-file", str(tmp_path / "k"), "--model", "m", *bad])
+    assert info.value.code == 2
+    assert bad[0] in capsys.readouterr().err
