@@ -182,3 +182,26 @@ def test_a_first_chunk_goes_ahead_of_the_rest_of_a_tick_and_order_holds(fake_pb:
     assert log.index("c1") < log.index("b2b3"), log
     assert senders[1].sent == [("b1", 0), ("b2b3", FINAL)]
     stop(io)
+
+
+def test_an_idle_thread_without_the_exporter_sleeps(fake_pb: None) -> None:
+    """Every I/O thread but the first has no metrics exporter; idle, it must wait
+    for its next cancellation poll, not spin (it once did: response_threads > 1
+    burnt a core while the server was idle)."""
+    from llmhost.backend.model import _TritonIO
+
+    io = _TritonIO(runner=None, metrics=ServingMetrics(), interval_s=0.05,  # type: ignore[arg-type]
+                   metrics_s=0.01, window_s=0.05, exporter=None, name="test-io-idle")
+    passes = 0
+    real = io._send_queued
+
+    def counting(pb: Any, final: int) -> bool:
+        nonlocal passes
+        passes += 1
+        return real(pb, final)
+
+    io._send_queued = counting  # type: ignore[method-assign]
+    time.sleep(1.0)
+    stop(io)
+    # About 20 passes (one per 0.05 s poll); a spinning loop makes hundreds of thousands.
+    assert passes < 500, passes

@@ -156,7 +156,12 @@ class _TritonIO:
         next_tick = now + self.window.window_s
         running = True
         while running:
-            timeout = min(self.interval - (now - last_poll), self.metrics_s - (now - last_flush))
+            timeout = self.interval - (now - last_poll)
+            if self.exporter is not None:
+                # Only the thread that pushes metrics waits for their interval: on
+                # the others last_flush never moves, and the timeout would stay
+                # negative, a busy loop burning a core while idle.
+                timeout = min(timeout, self.metrics_s - (now - last_flush))
             if self.window.ticking:
                 # Streams are open: wake every window for their deltas, which do
                 # not wake this thread themselves.
