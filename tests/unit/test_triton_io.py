@@ -205,3 +205,16 @@ def test_an_idle_thread_without_the_exporter_sleeps(fake_pb: None) -> None:
     stop(io)
     # About 20 passes (one per 0.05 s poll); a spinning loop makes hundreds of thousands.
     assert passes < 500, passes
+
+
+def test_a_barrier_is_passed_only_after_what_was_queued_before_it(fake_pb: None) -> None:
+    """wait_sent's barrier: errors queued before it have been sent when it is set."""
+    io = make_io(window_s=0.05)
+    sink, sender = stream(io)
+    sink.send(chunk("a", 1))
+    sink.fail("the model's engine stopped")
+    event = threading.Event()
+    io.put(("barrier", None, event), urgent=True)
+    assert event.wait(30)
+    assert [t for t, _ in sender.sent] == ["a", "the model's engine stopped"], sender.sent
+    stop(io)

@@ -259,8 +259,9 @@ class EngineRunner:
         if self.active:
             self.log_error(f"{len(self.active)} request(s) did not end after the engine died")
         if restart:
-            await asyncio.sleep(0.5)  # the I/O threads hand the errors to tritonserver first
-            self._stop_server(self.log_error)
+            # The callback may wait for the I/O threads to hand the errors to
+            # tritonserver first: off the loop.
+            await asyncio.get_running_loop().run_in_executor(None, self._stop_server, self.log_error)
 
     def stop(self, drain_timeout_s: float) -> None:
         """Refuse new work, let in-flight requests finish, abort the rest, shut down."""

@@ -52,6 +52,7 @@ OUTPUTS: list[dict[str, Any]] = [
 ]
 INPUT_NAMES = [i["name"] for i in INPUTS]
 MAX_BATCH = 512  # queue items the I/O thread takes at once
+SEND_BEFORE_STOP_S = 10.0  # after the engine died, how long queued errors may take to leave
 
 
 def _pb() -> Any:
@@ -226,6 +227,8 @@ class _TritonIO:
                 sink.sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(payload)),
                                  flags=final)
                 self._forget(sink)
+            elif kind == "barrier":
+                payload.set()  # everything queued before it has been handed to tritonserver
             elif kind == "track" and not sink.done:
                 self.sinks[payload] = sink
         except Exception as exc:  # noqa: BLE001 - a dead client must not stop the thread
@@ -285,6 +288,17 @@ class _TritonIOPool:
     def pick(self) -> _TritonIO:
         return self.shards[next(self._turn) % len(self.shards)]
 
+    def wait_sent(self, timeout_s: float) -> bool:
+        """Wait until every response queued so far has been handed to tritonserver
+        (a barrier item behind them on each thread); False on timeout."""
+        events = []
+        for shard in self.shards:
+            event = threading.Event()
+            shard.put(("barrier", None, event), urgent=True)
+            events.append(event)
+        deadline = time.monotonic() + timeout_s
+        return all(e.wait(max(0.0, deadline - time.monotonic())) for e in events)
+
     def stop(self) -> None:
         for shard in self.shards:
             shard.put(None)
@@ -328,7 +342,8 @@ class TritonPythonModel:
         self._apply_placement(args)
         self.metrics = ServingMetrics()
         self.runner = EngineRunner(self.config, self.metrics, lambda m: pb.Logger.log_info(f"[llmhost] {m}"),
-                                   lambda m: pb.Logger.log_error(f"[llmhost] {m}"))
+                                   lambda m: pb.Logger.log_error(f"[llmhost] {m}"),
+                                   stop_server=self._stop_server_when_sent)
         try:
             self.runner.start()  # bounded: whatever fails before the engine is up ends here
         except EngineStartError as exc:
@@ -357,6 +372,17 @@ class TritonPythonModel:
             import os
 
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.get("model_instance_device_id", "0"))
+
+    def _stop_server_when_sent(self, log: Any) -> bool:
+        """After the engine died: stop tritonserver only once the errors of the
+        requests it failed have reached tritonserver (else a client may see its
+        stream end without the error while the server shuts down)."""
+        from llmhost.backend.watchdog import stop_tritonserver
+
+        io = getattr(self, "io", None)
+        if io is not None and not io.wait_sent(SEND_BEFORE_STOP_S):
+            log(f"responses still queued after {SEND_BEFORE_STOP_S:g} s; stopping tritonserver anyway")
+        return stop_tritonserver(log)
 
     def execute(self, requests: list[Any]) -> None:
         pb = _pb()
