@@ -29,6 +29,7 @@ from typing import Any
 
 from llmhost.admin_key import HEADER as ADMIN_HEADER
 from llmhost.admin_key import ensure_key_file, restriction_args
+from llmhost.backend.watchdog import describe_exit
 from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -218,10 +219,7 @@ def exit_reason(rc: int) -> str:
         return ("exited by itself (status 0) without being asked to stop: a model's engine died "
                 "and the backend stopped the server (its log above says why)")
     if rc < 0:
-        try:
-            return f"was killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"was killed by signal {-rc}"
+        return describe_exit(rc)
     return f"exited with status {rc}"
 
 
