@@ -12,6 +12,7 @@ RESTART_INTERVAL_S; one that never got ready is not (its failure would repeat).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -31,6 +32,7 @@ from llmhost.admin_key import HEADER as ADMIN_HEADER
 from llmhost.admin_key import ensure_key_file, restriction_args
 from llmhost.backend.watchdog import describe_exit
 from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir
+from llmhost.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop
 
 PR_SET_CHILD_SUBREAPER = 36
 ADMIN_KEY_FILE = "admin-key"
@@ -96,6 +98,7 @@ def server_environment(workdir: Path, device: str, kv_cache_gib: int, triton: Tr
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.setdefault("VLLM_CACHE_ROOT", str(workdir / "vllm-cache"))
+    env[STOP_FILE_ENV] = str(workdir / STOP_FILE_NAME)  # see llmhost.stopfile
     if device == "cpu":
         # vLLM's CPU default asks for most of NUMA node 0 and fails on small hosts.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
@@ -232,10 +235,14 @@ def run(opts: ServeOptions, ready_timeout_s: float = 600, max_restarts: int = RE
     stopping = threading.Event()
     current: list[subprocess.Popen[bytes]] = []
 
+    stop_file = workdir / STOP_FILE_NAME
+
     def forward(signum: int, _frame: Any) -> None:
         stopping.set()
         for proc in current:
             if proc.poll() is None:
+                with contextlib.suppress(OSError):  # the backend then drains at once (llmhost.stopfile)
+                    announce_stop(stop_file, proc.pid)
                 proc.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
 
     signal.signal(signal.SIGINT, forward)
@@ -265,6 +272,7 @@ def run(opts: ServeOptions, ready_timeout_s: float = 600, max_restarts: int = RE
     restarts = 0
     while True:
         print(f"llmhost serve: starting tritonserver for model '{opts.name}' ({workdir})", flush=True)
+        stop_file.unlink(missing_ok=True)
         proc = subprocess.Popen(cmd, env=env)
         current[:] = [proc]
         if stopping.is_set():  # a signal that came while no tritonserver ran

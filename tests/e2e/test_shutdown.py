@@ -68,3 +68,49 @@ def test_sigkill_of_tritonserver_leaves_nothing(tiny_model: Path, tmp_path: Path
     assert not left, f"left behind: {_names(left)}"
     tail = srv.log_tail(5)
     assert "reaped" in tail and "was killed by SIGKILL; not restarting it" in tail, tail
+
+
+def test_sigterm_ends_a_stream_that_outlives_the_drain_with_an_error(tiny_model: Path, tmp_path: Path):
+    """A stream that cannot finish within drain_timeout_s (vLLM's engine frozen with
+    SIGSTOP) gets the shutting-down error once the drain is over; the server then
+    stops cleanly (status 0) and leaves nothing."""
+    srv = start_server(tiny_model, tmp_path, extra=["--drain-timeout", "2"])
+    kids = srv.descendants()
+    engine = [p for p in kids if p.name().startswith("VLLM::")]
+    assert engine, _names(kids)
+    outcome: dict[str, object] = {}
+
+    def client() -> None:
+        body = {"text_input": "def main():", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        lines = []
+        try:
+            with requests.post(f"{srv.http}/v2/models/{srv.name}/generate_stream", json=body, stream=True,
+                               timeout=120) as r:
+                lines = [line for line in r.iter_lines(decode_unicode=True) if line]
+            outcome["events"] = parse_sse(lines)
+        except (requests.RequestException, RuntimeError) as exc:  # RuntimeError: an SSE error event
+            outcome["error"] = str(exc)
+
+    for p in engine:
+        p.send_signal(signal.SIGSTOP)
+    t = threading.Thread(target=client)
+    try:
+        t.start()
+        t.join(timeout=3)  # the request reaches the backend; no token can come
+        assert t.is_alive(), outcome
+        srv.proc.send_signal(signal.SIGTERM)
+        t.join(timeout=60)
+        assert not t.is_alive(), "the stream outlived the drain"
+    finally:
+        for p in engine:
+            try:
+                p.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+    rc = srv.proc.wait(timeout=120)
+    error = str(outcome.get("error"))
+    assert "the model is shutting down: the request was aborted after the drain timeout of 2 s" in error, outcome
+    assert rc == 0, srv.log_tail()
+    assert "draining (tritonserver is stopping)" in srv.log.read_text(errors="replace"), srv.log_tail()
+    left = wait_gone(kids, timeout_s=30)
+    assert not left, f"left behind: {_names(left)}"

@@ -14,11 +14,13 @@ import sys
 import threading
 import types
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
 
+from llmhost import stopfile
 from llmhost.backend import engine as engine_mod
 from llmhost.backend import watchdog
 from llmhost.backend.config import parse_model_config
@@ -26,6 +28,7 @@ from llmhost.backend.engine import EngineRunner, EngineStartError
 from llmhost.backend.metrics import ServingMetrics
 from llmhost.backend.request import GenerateJob
 from llmhost.serve import RestartLimit, exit_reason
+from llmhost.stopfile import announce_stop
 
 BOUND_S = 120  # a bound that tells a hang from an answer (importing vLLM's packages on a busy host), not a speed target
 
@@ -142,8 +145,10 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def make_runner(restart: bool = True) -> tuple[EngineRunner, Log, Log, list[int], ServingMetrics]:
-    config = parse_model_config({"model": "/nowhere", "llmhost": {"exit_server_on_engine_death": restart}})
+def make_runner(restart: bool = True, drain_timeout_s: float = 30, stop_file: Path | None = None,
+                server_pid: int = 4242) -> tuple[EngineRunner, Log, Log, list[int], ServingMetrics]:
+    config = parse_model_config({"model": "/nowhere", "llmhost": {"exit_server_on_engine_death": restart,
+                                                                  "drain_timeout_s": drain_timeout_s}})
     info, error, stops = Log(), Log(), []
     metrics = ServingMetrics()
 
@@ -151,7 +156,8 @@ def make_runner(restart: bool = True) -> tuple[EngineRunner, Log, Log, list[int]
         stops.append(1)
         return True
 
-    runner = EngineRunner(config, metrics, info, error, stop_server=stop_server)
+    runner = EngineRunner(config, metrics, info, error, stop_server=stop_server,
+                          stop_file=stop_file or Path("/nonexistent/llmhost-stopping"), server_pid=server_pid)
     return runner, info, error, stops, metrics
 
 
@@ -313,6 +319,69 @@ def test_without_exit_server_on_engine_death_the_server_is_left_running(fake_vll
     runner.stop(drain_timeout_s=30)
     assert not stops
     assert "exit_server_on_engine_death is false" in error.text()
+
+
+# -- stopping: the stop file, the drain ---------------------------------------------
+
+
+def test_the_stop_file_starts_the_drain_and_aborts_what_outlives_it(fake_vllm: None, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    """tritonserver is being stopped (its pid in the stop file): new requests are
+    refused at once, one in flight gets drain_timeout_s, then ends with the
+    shutting-down error (not a stream cut short); the server is not asked to stop."""
+    stop_file = tmp_path / "stopping"
+    runner, info, _, stops, metrics = make_runner(drain_timeout_s=1, stop_file=stop_file, server_pid=4242)
+    assert start_in_thread(runner) == [None]
+    engine = FakeEngine.instances[0]
+    sink = submit(runner, monkeypatch)  # never ends by itself
+    assert engine.generating.wait(BOUND_S)
+    announce_stop(stop_file, 4242)
+    assert sink.done.wait(BOUND_S), "the request in flight outlived the drain"
+    assert sink.errors == ["the model is shutting down: the request was aborted after the drain timeout of 1 s; "
+                           "retry on another instance"], sink.errors
+    assert not sink.was_cancelled and not runner.accepting
+    assert failed(metrics, "shutting_down") == 1 and failed(metrics, "engine_error") == 0
+    assert "draining (tritonserver is stopping): 1 request(s) in flight get up to 1 s" in info.text()
+    assert not stops and engine.shutdowns == 0  # Triton unloads the model next: finalize -> stop()
+    runner.stop(drain_timeout_s=1)
+    assert engine.shutdowns == 1
+
+
+def test_a_stop_file_of_another_server_is_ignored(fake_vllm: None, tmp_path: Path):
+    stop_file = tmp_path / "stopping"
+    announce_stop(stop_file, 1111)  # left by an earlier instance
+    runner, info, _, _, _ = make_runner(stop_file=stop_file, server_pid=4242)
+    assert start_in_thread(runner) == [None]
+    for _ in range(30):  # the watchdog looks once a second
+        threading.Event().wait(0.1)
+    assert runner.accepting and "draining" not in info.text()
+    runner.stop(drain_timeout_s=1)
+
+
+def test_stop_keeps_the_deadline_of_a_drain_already_begun(fake_vllm: None, monkeypatch: pytest.MonkeyPatch):
+    runner, _, _, _, _ = make_runner()
+    assert start_in_thread(runner) == [None]
+    runner.begin_drain(0.5, "test")
+    first = runner._drain_deadline
+    runner.begin_drain(30, "the model is unloading")  # later and longer: the first deadline holds
+    assert runner._drain_deadline == first
+    runner.stop(drain_timeout_s=30)
+    assert runner._drain_deadline == first
+
+
+@pytest.mark.parametrize(("text", "pid", "expected"), [
+    ("4242\n", 4242, True), ("4242", 4243, False), ("", 4242, False), ("junk", 4242, False), (None, 4242, False)])
+def test_stop_requested_only_for_this_server(tmp_path: Path, text: str | None, pid: int, expected: bool):
+    path = tmp_path / "stopping"
+    if text is not None:
+        path.write_text(text)
+    assert stopfile.stop_requested(path, pid) is expected
+    assert stopfile.stop_requested(None, pid) is False
+
+
+def test_stop_file_comes_from_the_environment():
+    assert stopfile.stop_file_from_env({stopfile.STOP_FILE_ENV: "/run/x/stopping"}) == Path("/run/x/stopping")
+    assert stopfile.stop_file_from_env({}) is None
 
 
 # -- the decision parts -------------------------------------------------------------

@@ -8,12 +8,14 @@ loop never blocks on a round trip to tritonserver.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from llmhost.backend.config import ModelConfig
@@ -29,6 +31,7 @@ from llmhost.backend.watchdog import (
     engine_death_cause,
     stop_tritonserver,
 )
+from llmhost.stopfile import stop_file_from_env, stop_requested
 
 # Defaults we set for a server unless model.json says otherwise.
 ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True}
@@ -112,7 +115,8 @@ def describe_failure(exc: BaseException, limit: int = 600) -> str:
 class EngineRunner:
     def __init__(self, config: ModelConfig, metrics: ServingMetrics, log: Callable[[str], None],
                  log_error: Callable[[str], None] | None = None,
-                 stop_server: Callable[[Callable[[str], None]], bool] | None = None) -> None:
+                 stop_server: Callable[[Callable[[str], None]], bool] | None = None,
+                 stop_file: Path | None = None, server_pid: int | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.log = log
@@ -132,6 +136,12 @@ class EngineRunner:
         self._limits: RequestLimits | None = None
         self._stop_server = stop_server or stop_tritonserver
         self._watch = EngineWatch()
+        # Draining: set once the server is stopping (stopfile) or the model unloads.
+        self._stop_file = stop_file if stop_file is not None else stop_file_from_env()
+        self._server_pid = os.getppid() if server_pid is None else server_pid
+        self._drain_deadline: float | None = None
+        self._drain_timeout_s = 0.0
+        self._abort_message: str | None = None
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
@@ -212,13 +222,45 @@ class EngineRunner:
 
     # -- watchdog -------------------------------------------------------------
     async def _watchdog(self) -> None:
-        """Poll vLLM's own verdict on its engine about once a second."""
+        """About once a second: vLLM's own verdict on its engine, whether the server
+        is being stopped (stopfile), and whether a drain's time is over."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             cause = self._watch.check(self._engine)
             if cause is not None:
                 await self._engine_died(cause)
                 return
+            if self._drain_deadline is None and stop_requested(self._stop_file, self._server_pid):
+                self.begin_drain(self.config.settings.drain_timeout_s, "tritonserver is stopping")
+            if (self._drain_deadline is not None and self._abort_message is None and self.active
+                    and time.monotonic() >= self._drain_deadline):
+                self._abort_leftovers()
+
+    # -- draining -------------------------------------------------------------
+    def begin_drain(self, timeout_s: float, why: str) -> None:
+        """Refuse new requests; those in flight get TIMEOUT_S to finish (from the
+        first call: a later one only shortens it). Thread-safe."""
+        deadline = time.monotonic() + timeout_s
+        first = self._drain_deadline is None
+        self.accepting = False
+        if first or deadline < (self._drain_deadline or deadline):
+            self._drain_deadline, self._drain_timeout_s = deadline, timeout_s
+        if first:
+            self.log(f"draining ({why}): {len(self.active)} request(s) in flight get up to {timeout_s:g} s "
+                     "to finish; new ones are refused")
+
+    def _abort_leftovers(self) -> None:
+        """On the engine loop: end every request still in flight with the
+        shutting-down error (their clients see why, not a stream cut short)."""
+        with self.active_lock:
+            leftover = [a.task for a in self.active.values() if a.task is not None]
+        if self._abort_message is None:
+            self._abort_message = (f"the model is shutting down: the request was aborted after the drain timeout "
+                                   f"of {self._drain_timeout_s:g} s; retry on another instance")
+        if leftover:
+            self.log(f"drain time over: aborting {len(leftover)} request(s)")
+        for task in leftover:
+            task.cancel()
 
     def engine_dead_message(self) -> str | None:
         """The client's error message if vLLM's engine has died, else None (checks
@@ -264,22 +306,19 @@ class EngineRunner:
             await asyncio.get_running_loop().run_in_executor(None, self._stop_server, self.log_error)
 
     def stop(self, drain_timeout_s: float) -> None:
-        """Refuse new work, let in-flight requests finish, abort the rest, shut down."""
-        self.accepting = False
+        """Refuse new work, let in-flight requests finish (within the drain begun
+        when the server started stopping, if it did), abort the rest, shut down."""
         if self.dead_message is not None:
             drain_timeout_s = 0  # nothing can finish on a dead engine
-        deadline = time.monotonic() + drain_timeout_s
+        self.begin_drain(drain_timeout_s, "the model is unloading")
+        deadline = self._drain_deadline or time.monotonic()
         while self.active and time.monotonic() < deadline:
             time.sleep(0.1)
         loop = self._loop
         if loop is None or self._thread is None:
             return
-        with self.active_lock:
-            leftover = [a.task for a in self.active.values() if a.task is not None]
-        if leftover:
-            self.log(f"drain time over: aborting {len(leftover)} request(s)")
-            for task in leftover:
-                loop.call_soon_threadsafe(task.cancel)
+        if self.active:
+            loop.call_soon_threadsafe(self._abort_leftovers)
             end = time.monotonic() + 10
             while self.active and time.monotonic() < end:
                 time.sleep(0.05)
@@ -382,6 +421,10 @@ class EngineRunner:
                 raise RuntimeError("the engine ended the request without a final output")
         except asyncio.CancelledError:
             if self.fail_if_engine_dead(sink):  # cancelled by the watchdog, or the engine died meanwhile
+                return
+            if self._abort_message is not None:  # the drain's time ran out
+                metrics.inc("vllm:request_failed_total", label="shutting_down")
+                sink.fail(self._abort_message)
                 return
             metrics.inc("vllm:request_cancelled_total")
             sink.cancelled()
