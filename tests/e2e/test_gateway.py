@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from tests.conftest import free_port
 
 KEY = "test-key-0123456789abcdef"
 CAPPED_KEY = "capped-key-0123456789abcdef"
+LIMITED_KEY = "limited-key-0123456789abcdef"
 MAX_BODY = 64 * 1024
 PROMPT = "def fibonacci(n):"
 
@@ -32,37 +34,55 @@ class Gateway:
     url: str  # the OpenAI base URL, http://HOST:PORT/v1
     proc: subprocess.Popen[bytes]
     log: Path
+    metrics: str  # http://HOST:PORT/metrics
 
 
-@pytest.fixture(scope="module")
-def gateway(server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    work = tmp_path_factory.mktemp("gateway")
-    keys = work / "keys.yml"
-    keys.write_text(f"keys:\n  - name: tester\n    sha256: {hash_key(KEY)}\n"
-                    f"  - name: capped\n    sha256: {hash_key(CAPPED_KEY)}\n    max_tokens: 8\n")
-    port = free_port()
-    log = work / "gateway.log"
-    cmd = [str(Path(sys.executable).parent / "llmhost"), "gateway", "--upstream", server.grpc,
-           "--listen", f"127.0.0.1:{port}", "--keys-file", str(keys), "--model", server.name,
-           "--max-body-bytes", str(MAX_BODY)]
+def _start(cmd: list[str], log: Path, url: str, verify: bool | ssl.SSLContext = True) -> subprocess.Popen[bytes]:
+    """Start a gateway; return once GET /v1/models answers 200."""
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    gw = Gateway(f"http://127.0.0.1:{port}/v1", proc, log)
     deadline = time.monotonic() + 60
     while True:
         assert proc.poll() is None, log.read_text()
         try:
-            if httpx.get(f"{gw.url}/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200:
-                break
+            if httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, verify=verify).status_code == 200:
+                return proc
         except httpx.TransportError:
             pass
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.3)
-    yield gw
+
+
+def _stop(proc: subprocess.Popen[bytes], log: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     # uvicorn shuts down gracefully, then ends by the signal it got.
-    assert proc.wait(timeout=30) in (0, -signal.SIGTERM), log.read_text()
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM), log.read_text()
     assert "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    keys = tmp_path_factory.mktemp("gateway-keys") / "keys.yml"
+    keys.write_text(f"keys:\n  - name: tester\n    sha256: {hash_key(KEY)}\n"
+                    f"  - name: capped\n    sha256: {hash_key(CAPPED_KEY)}\n    max_tokens: 8\n"
+                    f"  - name: limited\n    sha256: {hash_key(LIMITED_KEY)}\n    rpm: 2\n    tpm: 100000\n"
+                    "    max_concurrent: 2\n")
+    return keys
+
+
+@pytest.fixture(scope="module")
+def gateway(server, keys_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    work = tmp_path_factory.mktemp("gateway")
+    port, metrics_port = free_port(), free_port()
+    log = work / "gateway.log"
+    cmd = [str(Path(sys.executable).parent / "llmhost"), "gateway", "--upstream", server.grpc,
+           "--listen", f"127.0.0.1:{port}", "--keys-file", str(keys_file), "--model", server.name,
+           "--max-body-bytes", str(MAX_BODY), "--metrics-listen", f"127.0.0.1:{metrics_port}",
+           "--health-interval-s", "1"]
+    url = f"http://127.0.0.1:{port}/v1"
+    proc = _start(cmd, log, url)
+    yield Gateway(url, proc, log, f"http://127.0.0.1:{metrics_port}/metrics")
+    _stop(proc, log)
 
 
 @pytest.fixture
@@ -265,3 +285,144 @@ def test_disconnect_cancels_the_engine_request(gateway, server):
     while server.metric("vllm:num_requests_running") != 0 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert server.metric("vllm:num_requests_running") == 0
+
+
+def test_metrics_count_requests_by_key_and_status_and_show_the_upstream_up(gateway, client, server):
+    def requests_total(status: str) -> float:
+        text = httpx.get(gateway.metrics, timeout=10).text
+        line = f'llmhost_gateway_requests_total{{key="tester",model="{server.name}",status="{status}"}} '
+        return sum(float(x[len(line):]) for x in text.splitlines() if x.startswith(line))
+
+    ok, bad = requests_total("200"), requests_total("400")
+    client.completions.create(model=server.name, prompt=PROMPT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=server.name, prompt=PROMPT, max_tokens=4, temperature=-1)
+    assert requests_total("200") == ok + 1 and requests_total("400") == bad + 1
+    text = httpx.get(gateway.metrics, timeout=10).text
+    assert f'llmhost_gateway_upstream_up{{upstream="{server.grpc}"}} 1.0' in text, text[-3000:]
+    assert KEY not in text and PROMPT not in text
+
+
+# --- phase 2: native API, limits, access log, several upstreams, TLS, config, drain ---
+
+def _auth(key: str = KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _native(gateway: Gateway) -> str:
+    return gateway.url.removesuffix("/v1")
+
+
+def test_native_generate_and_generate_stream(gateway, server):
+    base = f"{_native(gateway)}/v2/models/{server.name}"
+    body = {"text_input": PROMPT, "max_tokens": 8, "ignore_eos": True, "temperature": 0,
+            "exclude_input_in_output": True, "return_num_output_tokens": True}
+    r = httpx.post(f"{base}/generate", json=body, headers=_auth(), timeout=120)
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    assert whole["model_name"] == server.name and isinstance(whole["text_output"], str)
+    assert whole["num_output_tokens"] == 8 and "num_input_tokens" not in whole
+    text = ""
+    with httpx.stream("POST", f"{base}/generate_stream", json={**body, "stream": True}, headers=_auth(),
+                      timeout=120) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line.startswith("data: ")]
+    text = "".join(e["text_output"] for e in events)
+    assert len(events) >= 2 and text == whole["text_output"] and events[-1]["num_output_tokens"] == 8
+    r = httpx.post(f"{base}/generate", json={**body, "temperature": -1}, headers=_auth(), timeout=60)
+    assert r.status_code == 400 and "temperature" in r.json()["error"]
+    assert httpx.post(f"{base}/generate", json=body, timeout=60).status_code == 401
+
+
+def test_native_health_metadata_and_no_admin_paths(gateway, server):
+    base = _native(gateway)
+    for path in ("/v2/health/live", "/v2/health/ready", f"/v2/models/{server.name}/ready"):
+        assert httpx.get(base + path, headers=_auth()).status_code == 200, path
+        assert httpx.get(base + path).status_code == 401, path
+    meta = httpx.get(f"{base}/v2/models/{server.name}", headers=_auth()).json()
+    assert meta["name"] == server.name and "text_input" in [i["name"] for i in meta["inputs"]]
+    for method, path in (("POST", "/v2/repository/index"), ("POST", f"/v2/repository/models/{server.name}/load"),
+                         ("POST", f"/v2/repository/models/{server.name}/unload"), ("GET", "/v2/logging"),
+                         ("GET", "/v2/trace/setting"), ("GET", f"/v2/models/{server.name}/stats"),
+                         ("GET", "/v2/systemsharedmemory/status"), ("GET", "/v2/cudasharedmemory/status"),
+                         ("GET", f"/v2/models/{server.name}/config"), ("GET", "/v2")):
+        r = httpx.request(method, base + path, headers=_auth(), json={})
+        assert r.status_code == 404, (method, path, r.status_code)
+
+
+def test_rate_limit_is_openais_429_with_retry_after(gateway, server):
+    c = openai.OpenAI(base_url=gateway.url, api_key=LIMITED_KEY, max_retries=0)
+    for _ in range(2):
+        c.completions.create(model=server.name, prompt=PROMPT, max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as info:
+        c.completions.create(model=server.name, prompt=PROMPT, max_tokens=1)
+    err = _error(info.value)
+    assert err["type"] == "requests" and err["code"] == "rate_limit_exceeded"
+    assert 1 <= int(info.value.response.headers["retry-after"]) <= 30
+    text = httpx.get(gateway.metrics, timeout=10).text
+    assert 'llmhost_gateway_rate_limited_total{key="limited",limit="rpm"} 1.0' in text
+
+
+def test_access_log_has_a_json_line_per_request_without_key_or_prompt(gateway, client, server):
+    secret = "a prompt nobody may log 8812"
+    client.completions.create(model=server.name, prompt=secret, max_tokens=2)
+    def done() -> list[dict[str, object]]:
+        entries = [json.loads(x) for x in gateway.log.read_text().splitlines() if x.startswith("{")]
+        return [e for e in entries if e["path"] == "/v1/completions" and e["status"] == 200
+                and e["completion_tokens"] == 2]
+
+    deadline = time.monotonic() + 10
+    while not done() and time.monotonic() < deadline:  # the line is written once the response is sent
+        time.sleep(0.2)
+    entry = done()[-1]
+    assert entry["key"] == "tester" and entry["model"] == server.name and entry["upstream"] == server.grpc
+    assert entry["prompt_tokens"] > 0 and entry["client"].startswith("127.0.0.1:")
+    text = gateway.log.read_text()
+    assert secret not in text and KEY not in text and LIMITED_KEY not in text and "Bearer" not in text
+
+
+def test_a_second_gateway_from_a_config_file_with_tls_a_dead_upstream_and_a_drain(server, keys_file, tmp_path):
+    from tests.unit._gateway_fakes import self_signed
+
+    cert, key = self_signed(tmp_path)
+    trust = ssl.create_default_context(cafile=str(cert))
+    port, metrics_port, dead = free_port(), free_port(), free_port()
+    config = tmp_path / "gateway.yml"
+    config.write_text(f"upstreams: ['127.0.0.1:{dead}', '{server.grpc}']\nmodels: [{server.name}]\n"
+                      f"listen: '127.0.0.1:{port}'\nmetrics_listen: '127.0.0.1:{metrics_port}'\n"
+                      f"keys_file: {keys_file}\nhealth: {{interval_s: 0.5, timeout_s: 1}}\n"
+                      f"limits: {{max_concurrent_upstream: 4, max_queue: 8, queue_timeout_s: 30}}\n"
+                      f"tls: {{cert: {cert.name}, key: {key.name}}}\ndrain_timeout_s: 60\n")
+    log = tmp_path / "gateway2.log"
+    url = f"https://127.0.0.1:{port}/v1"
+    proc = _start([str(Path(sys.executable).parent / "llmhost"), "gateway", "--config", str(config)], log, url,
+                  verify=trust)
+    try:
+        c = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, http_client=httpx.Client(verify=trust))
+        for _ in range(4):  # every request is served, none goes to the dead upstream
+            assert c.completions.create(model=server.name, prompt=PROMPT, max_tokens=2).choices[0].text
+        assert [m.id for m in c.models.list()] == [server.name]
+        with pytest.raises(httpx.TransportError):  # HTTPS only
+            httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=_auth(), timeout=5)
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        assert f'llmhost_gateway_upstream_up{{upstream="127.0.0.1:{dead}"}} 0.0' in text, text[-2000:]
+        assert f'llmhost_gateway_upstream_up{{upstream="{server.grpc}"}} 1.0' in text
+        assert f'llmhost_gateway_upstream_outstanding{{upstream="{server.grpc}"}} 0.0' in text
+
+        # SIGTERM while a stream is in flight: the stream still finishes.
+        body = {"model": server.name, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/completions", json=body, headers=_auth(), timeout=120,
+                          verify=trust) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        assert not any('"error"' in line for line in rest)
+        assert len(rest) > 2 and '"finish_reason":"length"' in rest[-2]  # chunks came after the SIGTERM
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM), log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in log.read_text(), log.read_text()

@@ -284,7 +284,7 @@ class FakeUpstream:
 
 def _app(fake: FakeUpstream, max_body: int = 1024) -> httpx.AsyncClient:
     keys = KeyStore(parse_keys(json.dumps({"keys": [{"name": "a", "sha256": hash_key(KEY)}]})))
-    app = create_app(GatewayConfig(upstream="x:1", models=["m"], max_body_bytes=max_body), keys, fake)  # type: ignore[arg-type]
+    app = create_app(GatewayConfig(upstreams=["x:1"], models=["m"], max_body_bytes=max_body), keys, fake)  # type: ignore[arg-type]
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
                              headers={"Authorization": f"Bearer {KEY}"})
 
@@ -373,7 +373,7 @@ class HangingUpstream(FakeUpstream):
 def test_a_client_that_disconnects_cancels_the_upstream_request(stream):
     fake = HangingUpstream(first=stream)
     keys = KeyStore(parse_keys(json.dumps({"keys": [{"name": "a", "sha256": hash_key(KEY)}]})))
-    app = create_app(GatewayConfig(upstream="x:1", models=["m"]), keys, fake)  # type: ignore[arg-type]
+    app = create_app(GatewayConfig(upstreams=["x:1"], models=["m"]), keys, fake)  # type: ignore[arg-type]
     body = _chat(stream=stream)
 
     async def run() -> list[dict[str, Any]]:
@@ -407,6 +407,7 @@ def test_a_client_that_disconnects_cancels_the_upstream_request(stream):
 
     sent = _run(run())
     assert fake.cancelled.is_set()
+    assert app.state.gateway.pool.snapshot() == [("x:1", True, 0)]  # its upstream slot is free again
     if stream:
         assert sent[0]["status"] == 200 and b'"content":"x"' in b"".join(m.get("body", b"") for m in sent)
 

@@ -1,128 +1,40 @@
 """The ASGI app: OpenAI's ``/v1/models`` (and ``/v1/models/{id}``), ``/v1/chat/completions`` and
-``/v1/completions`` in front of our backend on Triton.
+``/v1/completions``, and Triton's native generate/health/metadata API (``native``), in front
+of our backend on a pool of Triton servers (``pool``).
 
 Order for every request: authenticate (401), check the body's size (413, before
-reading more than the limit), parse and validate (400), check the model (404),
-then call the upstream (its errors: 400, 404, 500, 503).
+reading more than the limit), parse and validate (400), check the model (404), the
+key's limits (429), then a slot on an upstream (503 when none is healthy or the
+queue is full or too slow) and the call (its errors: 400, 404, 500, 503).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from llmhost.gateway.config import GatewayConfig
-from llmhost.gateway.errors import ApiError, invalid, model_not_found, too_large
+from llmhost.gateway.errors import ApiError, model_not_found
+from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
 from llmhost.gateway.keys import ApiKey, KeyStore
-from llmhost.gateway.mapping import parse_body, to_backend
+from llmhost.gateway.limits import KeyLimiter, RateLimited
+from llmhost.gateway.mapping import BackendRequest, parse_body, to_backend
+from llmhost.gateway.pool import PoolSettings, UpstreamPool
+from llmhost.gateway.record import Observer, RequestMiddleware, RequestRecord, record_of
 from llmhost.gateway.responses import Accumulator, completion_body, new_id, stream_chunks
 from llmhost.gateway.upstream import Piece, Upstream
 
-T = TypeVar("T")
-
-
-def json_response(body: dict[str, Any], status: int = 200) -> Response:
-    return Response(json.dumps(body, separators=(",", ":")), status, media_type="application/json")
-
-
-def error_response(exc: ApiError) -> Response:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return Response(exc.json(), exc.status, headers=headers, media_type="application/json")
-
-
-class EventStream(Response):
-    """Server-sent events from an async iterator. A client that disconnects cancels
-    the iteration at once (not at the next write), which cancels the upstream call."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
-        # Not Response.__init__: that would send a Content-Length of 0.
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                            (b"x-accel-buffering", b"no")]
-        self.chunks = chunks
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-
-        async def pump() -> None:
-            async for data in self.chunks:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        async def watch(task: asyncio.Task[None]) -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            task.cancel()
-
-        task = asyncio.ensure_future(pump())
-        watcher = asyncio.ensure_future(watch(task))
-        try:
-            await task
-        except asyncio.CancelledError:
-            if not watcher.done():  # cancelled from outside (shutdown), not by the client leaving
-                raise
-        except OSError:
-            pass  # the client left while we wrote to it
-        finally:
-            watcher.cancel()
-            aclose = getattr(self.chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None:
-        if not length.isdigit():
-            raise invalid("the Content-Length header is not a number")
-        if int(length) > limit:
-            raise too_large(limit)
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise too_large(limit)
-        parts.append(part)
-    return b"".join(parts)
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response started."""
-
-
-async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """``work``'s result, or ClientGone (and ``work`` cancelled) when the client leaves first."""
-    task = asyncio.ensure_future(work)
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ApiError):
-                await task
-            watcher.cancel()
-            raise ClientGone
-        watcher.cancel()
-    return task.result()
+# The backend's default max_tokens: the tokens-per-minute estimate of a request
+# that names none.
+DEFAULT_MAX_TOKENS = 512
 
 
 async def _first(pieces: AsyncIterator[Piece]) -> Piece | None:
@@ -139,22 +51,75 @@ async def _gather(pieces: AsyncIterator[Piece], n: int) -> Accumulator:
     return acc
 
 
+def _model_named(raw: bytes) -> str | None:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
+
+
+async def _counted(pieces: AsyncIterator[Piece], rec: RequestRecord) -> AsyncIterator[Piece]:
+    """PIECES, keeping REC's token counts current (the backend's output counts are
+    cumulative per choice). Closing it closes PIECES (cancels the upstream call)."""
+    latest: dict[int, int] = {}
+    try:
+        async for piece in pieces:
+            for i, count in enumerate(piece.num_output_tokens):
+                latest[i] = count
+            rec.output_tokens = sum(latest.values())
+            if piece.num_input_tokens is not None:
+                rec.prompt_tokens = piece.num_input_tokens
+            yield piece
+    finally:
+        aclose = getattr(pieces, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _estimate(req: BackendRequest) -> int:
+    """A request's tokens-per-minute charge up front: max_tokens per completion."""
+    max_tokens = req.sampling.get("max_tokens")
+    return (max_tokens if isinstance(max_tokens, int) else DEFAULT_MAX_TOKENS) * max(1, req.n)
+
+
 class Gateway:
-    def __init__(self, config: GatewayConfig, keys: KeyStore, upstream: Upstream | None = None) -> None:
+    def __init__(self, config: GatewayConfig, keys: KeyStore, pool: UpstreamPool,
+                 limiter: KeyLimiter | None = None) -> None:
         self.config = config
         self.keys = keys
-        self.upstream = upstream or Upstream(config.upstream, config.upstream_timeout_s)
+        self.pool = pool
+        self.limiter = limiter or KeyLimiter()
 
-    def _auth(self, request: Request) -> ApiKey:
-        return self.keys.authenticate(request.headers.get("authorization"))
+    def auth(self, request: Request) -> ApiKey:
+        key = self.keys.authenticate(request.headers.get("authorization"))
+        record_of(request.scope).key = key.name
+        return key
+
+    def admit(self, request: Request, key: ApiKey, estimated_tokens: int) -> None:
+        """Take the key's limits for this request (429 over one); given back when it ends."""
+        rec = record_of(request.scope)
+        try:
+            lease = self.limiter.admit(key, estimated_tokens)
+        except RateLimited as exc:
+            rec.limited = exc.limit
+            raise
+        rec.cleanups.append(lambda r: lease.finish(r.used_tokens))
+
+    def note_upstream(self, request: Request) -> Any:
+        rec = record_of(request.scope)
+
+        def note(target: str) -> None:
+            rec.upstream = target
+
+        return note
 
     async def models(self, request: Request) -> Response:
         try:
-            self._auth(request)
-            data = []
-            for name in self.config.models:
-                if await self.upstream.model_ready(name):
-                    data.append({"id": name, "object": "model", "created": 0, "owned_by": "llmhost"})
+            self.auth(request)
+            data = [{"id": name, "object": "model", "created": 0, "owned_by": "llmhost"}
+                    for name in await self.pool.ready_models()]
         except ApiError as exc:
             return error_response(exc)
         return json_response({"object": "list", "data": data})
@@ -162,8 +127,8 @@ class Gateway:
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
         try:
-            self._auth(request)
-            if name not in self.config.models or not await self.upstream.model_ready(name):
+            self.auth(request)
+            if name not in self.config.models or not await self.pool.model_ready(name):
                 raise model_not_found(name)
         except ApiError as exc:
             return error_response(exc)
@@ -176,22 +141,30 @@ class Gateway:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, chat: bool) -> Response:
+        raw = b""
+        rec = record_of(request.scope)
         try:
-            key = self._auth(request)
+            key = self.auth(request)
             raw = await read_body(request, self.config.max_body_bytes)
             req = to_backend(parse_body(raw, chat), key.max_tokens)
+            rec.model = req.model
             if req.model not in self.config.models:
                 raise model_not_found(req.model)
-            pieces = self.upstream.generate(req)
+            self.admit(request, key, _estimate(req))
+            pieces = _counted(self.pool.stream(req.model, lambda client: client.generate(req),
+                                               self.note_upstream(request)), rec)
             rid = new_id(chat)
             if req.stream:
                 # The first response before the status line: a request the backend
                 # refuses gets its HTTP status, not a 200 with an error event.
                 first = await until_disconnect(request, _first(pieces))
+                rec.ttft_s = time.monotonic() - rec.start
                 return EventStream(stream_chunks(req, first, pieces, rid))
             acc = await until_disconnect(request, _gather(pieces, req.n))
             return json_response(completion_body(req, acc, rid, int(time.time())))
         except ApiError as exc:
+            if rec.model is None and raw:  # refused before the body was parsed: the metrics' model label
+                rec.model = _model_named(raw)
             return error_response(exc)
         except ClientGone:
             return Response(None, 499)
@@ -201,8 +174,36 @@ class Gateway:
                                        "not_found_error", None, "unknown_url"))
 
 
-def create_app(config: GatewayConfig, keys: KeyStore, upstream: Upstream | None = None) -> Starlette:
-    gw = Gateway(config, keys, upstream)
+def make_pool(config: GatewayConfig, upstream: Any = None) -> UpstreamPool:
+    """The pool for CONFIG: real upstreams, or UPSTREAM (a pool, or one client, for tests)."""
+    if isinstance(upstream, UpstreamPool):
+        return upstream
+    settings = PoolSettings(max_concurrent=config.max_concurrent_upstream, max_queue=config.max_queue,
+                            queue_timeout_s=config.queue_timeout_s, interval_s=config.health_interval_s,
+                            timeout_s=config.health_timeout_s)
+    if upstream is not None:
+        members = [(config.upstreams[0], upstream)]
+    else:
+        members = [(t, Upstream(t, config.health_timeout_s)) for t in config.upstreams]
+    return UpstreamPool(members, config.models, settings)
+
+
+def create_app(config: GatewayConfig, keys: KeyStore, upstream: Any = None, metrics: Any = None,
+               access_log: Observer | None = None, limiter: KeyLimiter | None = None) -> Starlette:
+    """The gateway's ASGI app. UPSTREAM: an UpstreamPool, one upstream client (tests),
+    or None for CONFIG's upstreams. METRICS (a GatewayMetrics) and ACCESS_LOG observe
+    every finished request."""
+    from llmhost.gateway.native import NativeApi
+
+    pool = make_pool(config, upstream)
+    gw = Gateway(config, keys, pool, limiter)
+    native = NativeApi(gw)
+    observers: list[Observer] = []
+    if metrics is not None:
+        metrics.watch_pool(pool)
+        observers.append(metrics)
+    if access_log is not None:
+        observers.append(access_log)
 
     async def on_missing(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
@@ -220,8 +221,9 @@ def create_app(config: GatewayConfig, keys: KeyStore, upstream: Upstream | None 
         Route("/v1/models/{model:path}", gw.model, methods=["GET"]),
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),
+        *native.routes(),
     ]
-    app = Starlette(routes=routes, exception_handlers={404: on_missing, 405: on_missing, Exception: on_error})
+    app = Starlette(routes=routes, exception_handlers={404: on_missing, 405: on_missing, Exception: on_error},
+                    middleware=[Middleware(RequestMiddleware, observers=observers)])
     app.state.gateway = gw
-
     return app

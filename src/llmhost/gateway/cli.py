@@ -1,20 +1,38 @@
-"""`llmhost gateway`: run the gateway, or `llmhost gateway hash-key` to hash a key."""
+"""`llmhost gateway`: run the gateway, or `llmhost gateway hash-key` to hash a key.
+
+Settings come from flags and/or ``--config PATH`` (YAML, see ``config``); a flag
+given wins over the file. Exit 2 names the flag, key or file that is wrong.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import ssl
 import sys
+from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
-from llmhost.gateway.config import DEFAULT_MAX_BODY_BYTES, GatewayConfig
+from llmhost.gateway.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    LOG_LEVELS,
+    ConfigError,
+    GatewayConfig,
+    join_host_port,
+    load_config,
+    parse_host_port,
+)
 from llmhost.gateway.keys import MIN_KEY_CHARS, KeysError, KeyStore, hash_key, load_keys
 
 
 def _host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port of 1-65535, got {text!r}")
-    return host.strip("[]"), int(port)
+    try:
+        return parse_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive(text: str) -> int:
@@ -27,22 +45,62 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
+    d = GatewayConfig()
     p = argparse.ArgumentParser(
         prog="llmhost gateway",
-        description="OpenAI-compatible API with API keys in front of Triton. "
+        description="OpenAI-compatible API (and Triton's generate API) with API keys in front of Triton. "
                     "`llmhost gateway hash-key` prints the hash of a key read from stdin.")
-    p.add_argument("--upstream", type=_host_port, default=("127.0.0.1", 8001), metavar="HOST:PORT",
-                   help="Triton's gRPC address (default 127.0.0.1:8001)")
-    p.add_argument("--listen", type=_host_port, default=("127.0.0.1", 18080), metavar="HOST:PORT",
-                   help="where the gateway listens (default 127.0.0.1:18080)")
-    p.add_argument("--keys-file", type=Path, required=True, metavar="PATH",
-                   help="JSON or YAML file of named keys stored as SHA-256 hashes")
-    p.add_argument("--model", action="append", required=True, metavar="NAME",
+    p.add_argument("--config", type=Path, metavar="PATH",
+                   help="YAML file with the same settings (see llmhost.gateway.config); flags given win")
+    p.add_argument("--upstream", type=_host_port, action="append", metavar="HOST:PORT",
+                   help=f"a Triton gRPC address; repeat for several (default {d.upstreams[0]})")
+    p.add_argument("--listen", type=_host_port, metavar="HOST:PORT",
+                   help=f"where the gateway listens (default {join_host_port(d.listen)})")
+    p.add_argument("--keys-file", type=Path, metavar="PATH",
+                   help="JSON or YAML file of named keys stored as SHA-256 hashes, with optional limits")
+    p.add_argument("--model", action="append", metavar="NAME",
                    help="a Triton model served through the gateway (repeat for several)")
-    p.add_argument("--max-body-bytes", type=_positive, default=DEFAULT_MAX_BODY_BYTES,
+    p.add_argument("--max-body-bytes", type=_positive,
                    help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES}); larger: 413")
-    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
+    p.add_argument("--metrics-listen", type=_host_port, metavar="HOST:PORT",
+                   help="Prometheus metrics, GET /metrics without authentication "
+                        f"(default {join_host_port(d.metrics_listen)})")
+    p.add_argument("--health-interval-s", type=_seconds, metavar="S",
+                   help=f"how often every upstream's models are checked (default {d.health_interval_s:g})")
+    p.add_argument("--health-timeout-s", type=_seconds, metavar="S",
+                   help=f"timeout of each readiness check (default {d.health_timeout_s:g})")
+    p.add_argument("--max-concurrent-upstream", type=_positive, metavar="N",
+                   help=f"requests in flight per upstream; more wait (default {d.max_concurrent_upstream})")
+    p.add_argument("--max-queue", type=_non_negative, metavar="N",
+                   help=f"requests that may wait for room; more get 503 (default {d.max_queue})")
+    p.add_argument("--queue-timeout-s", type=_seconds, metavar="S",
+                   help=f"longest wait for room, then 503 (default {d.queue_timeout_s:g})")
+    p.add_argument("--tls-cert", type=Path, metavar="PATH", help="HTTPS certificate (PEM; with --tls-key)")
+    p.add_argument("--tls-key", type=Path, metavar="PATH", help="HTTPS private key (PEM; with --tls-cert)")
+    p.add_argument("--drain-timeout-s", type=_seconds, metavar="S",
+                   help=f"on SIGTERM, requests in flight get this long to finish (default {d.drain_timeout_s:g})")
+    p.add_argument("--log-level", choices=LOG_LEVELS)
     return p
 
 
@@ -59,34 +117,131 @@ def hash_key_main(argv: list[str]) -> int:
     return 0
 
 
+# Flag dest -> GatewayConfig field, where they differ.
+_FLAG_FIELDS = {"upstream": "upstreams", "model": "models"}
+
+
+def settings(args: argparse.Namespace) -> GatewayConfig:
+    """GatewayConfig from defaults < the config file < flags given; ConfigError names what is wrong."""
+    values: dict[str, Any] = load_config(args.config) if args.config is not None else {}
+    names = {f.name for f in fields(GatewayConfig)}
+    for dest, value in vars(args).items():
+        name = _FLAG_FIELDS.get(dest, dest)
+        if value is None or name not in names:
+            continue
+        if name == "upstreams":
+            value = [join_host_port(v) for v in value]
+        elif name == "models":
+            value = list(dict.fromkeys(value))
+        values[name] = value
+    config = GatewayConfig(**values)
+    if not config.models:
+        raise ConfigError("no model: give --model NAME (or models: in the config file)")
+    if config.keys_file is None:
+        raise ConfigError("no keys file: give --keys-file PATH (or keys_file: in the config file)")
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise ConfigError("give both --tls-cert and --tls-key (tls.cert and tls.key), or neither")
+    if len(set(config.upstreams)) != len(config.upstreams):
+        raise ConfigError("an upstream is given twice")
+    return config
+
+
+def check_tls(config: GatewayConfig) -> None:
+    """Both TLS files readable and a matching certificate and key; ConfigError names the file."""
+    if config.tls_cert is None or config.tls_key is None:
+        return
+    for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
+        try:
+            with path.open("rb") as f:
+                f.read(1)
+        except OSError as exc:
+            raise ConfigError(f"{flag} {path}: cannot read it: {exc.strerror}") from None
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(config.tls_cert, config.tls_key)
+    except (ssl.SSLError, ValueError) as exc:
+        raise ConfigError(f"--tls-cert {config.tls_cert} / --tls-key {config.tls_key}: not a matching PEM "
+                          f"certificate and key ({exc})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "hash-key":
         return hash_key_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        keys = load_keys(args.keys_file)
+        config = settings(args)
+        check_tls(config)
+    except ConfigError as exc:
+        print(f"llmhost gateway: {exc}", file=sys.stderr)
+        return 2
+    assert config.keys_file is not None
+    try:
+        keys = load_keys(config.keys_file)
     except KeysError as exc:
-        print(f"llmhost gateway: {args.keys_file}: {exc}", file=sys.stderr)
+        print(f"llmhost gateway: {config.keys_file}: {exc}", file=sys.stderr)
         return 2
     if not keys:
-        print(f"llmhost gateway: {args.keys_file}: holds no keys; nobody could use the gateway", file=sys.stderr)
+        print(f"llmhost gateway: {config.keys_file}: holds no keys; nobody could use the gateway", file=sys.stderr)
         return 2
+    from llmhost.gateway.accesslog import AccessLog
+    from llmhost.gateway.app import create_app
+    from llmhost.gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics(config.models)
+    app = create_app(config, KeyStore(keys), metrics=metrics, access_log=AccessLog())
+    scheme = "https" if config.tls_cert is not None else "http"
+    print(f"llmhost gateway: OpenAI API on {scheme}://{join_host_port(config.listen)}/v1 for "
+          f"{', '.join(config.models)} via {', '.join(config.upstreams)}; {len(keys)} key(s); metrics on "
+          f"http://{join_host_port(config.metrics_listen)}/metrics", file=sys.stderr, flush=True)
+    asyncio.run(_serve(app, metrics, config))
+    return 0
+
+
+def uvicorn_configs(app: Any, metrics_app: Any, config: GatewayConfig) -> tuple[Any, Any]:
+    """The API server's and the metrics server's uvicorn.Config."""
     import uvicorn
 
-    from llmhost.gateway.app import create_app
+    common: dict[str, Any] = {"log_level": config.log_level, "access_log": False, "server_header": False,
+                              "lifespan": "off"}
+    tls: dict[str, Any] = {}
+    if config.tls_cert is not None:
+        tls = {"ssl_certfile": str(config.tls_cert), "ssl_keyfile": str(config.tls_key)}
+    api = uvicorn.Config(app, host=config.listen[0], port=config.listen[1],
+                         timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)), **tls, **common)
+    side = uvicorn.Config(metrics_app, host=config.metrics_listen[0], port=config.metrics_listen[1], **common)
+    return api, side
 
-    host, port = args.upstream
-    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    config = GatewayConfig(upstream=target, models=list(dict.fromkeys(args.model)),
-                           max_body_bytes=args.max_body_bytes)
-    app = create_app(config, KeyStore(keys))
-    listen_host, listen_port = args.listen
-    print(f"llmhost gateway: OpenAI API on http://{args.listen[0]}:{listen_port}/v1 for "
-          f"{', '.join(config.models)} via {target}; {len(keys)} key(s)", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=listen_host, port=listen_port, log_level=args.log_level, access_log=False,
-                server_header=False, lifespan="off")
-    return 0
+
+async def _serve(app: Any, metrics: Any, config: GatewayConfig) -> None:
+    """The API server (it takes SIGTERM/SIGINT: stops accepting, lets requests in flight
+    finish for up to drain_timeout_s) and, beside it, the metrics server and the
+    upstream health checks, which end with it."""
+    import uvicorn
+
+    from llmhost.gateway.metrics import metrics_app
+
+    class _Beside(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:  # the API server's own handle the signals
+            yield
+
+    api_config, side_config = uvicorn_configs(app, metrics_app(metrics), config)
+    api, beside = uvicorn.Server(api_config), _Beside(side_config)
+    pool = app.state.gateway.pool
+    health = asyncio.ensure_future(pool.run_health_checks())
+    side = asyncio.ensure_future(beside.serve())
+    try:
+        await api.serve()
+    finally:
+        beside.should_exit = True
+        health.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await health
+        await side
+        for member in pool.members:
+            close = getattr(member.client, "close", None)
+            if close is not None:
+                await close()
 
 
 if __name__ == "__main__":

@@ -1,17 +1,175 @@
-"""The gateway's settings."""
+"""The gateway's settings, from flags and/or a YAML file (``--config PATH``).
+
+The file holds the same settings as the flags; a flag given on the command line
+wins over the file, the file over the defaults. Every key is optional; an
+unknown key is refused by name. Relative paths are relative to the file's folder::
+
+    upstreams: ["10.0.0.5:8001", "10.0.0.6:8001"]   # --upstream (repeat); Triton gRPC HOST:PORT
+    models: [tiny]                     # --model (repeat); required, from the file or flags
+    listen: "0.0.0.0:18080"            # --listen
+    metrics_listen: "127.0.0.1:18081"  # --metrics-listen
+    keys_file: /etc/llmhost/keys.json  # --keys-file; required, from the file or flags
+    max_body_bytes: 8388608            # --max-body-bytes; larger bodies: 413
+    drain_timeout_s: 30                # --drain-timeout-s; on SIGTERM, in-flight requests get this long
+    log_level: warning                 # --log-level: critical, error, warning, info, debug
+    health:
+      interval_s: 2                    # --health-interval-s; ModelReady on every upstream this often
+      timeout_s: 2                     # --health-timeout-s; each check's timeout
+    limits:
+      max_concurrent_upstream: 128     # --max-concurrent-upstream; requests in flight per upstream
+      max_queue: 512                   # --max-queue; requests waiting for room (0: none wait)
+      queue_timeout_s: 30              # --queue-timeout-s; then 503 with Retry-After
+    tls:                               # both or neither
+      cert: /etc/llmhost/gateway.crt   # --tls-cert
+      key: /etc/llmhost/gateway.key    # --tls-key
+
+Per-key limits (``rpm``, ``tpm``, ``max_concurrent``, ``max_tokens``) live in the
+keys file (see ``keys``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 # Larger request bodies are refused (413) before parsing; raise it (--max-body-bytes)
 # for long-context models whose prompts, JSON-escaped, need more.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_UPSTREAM = "127.0.0.1:8001"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class ConfigError(ValueError):
+    """The settings are unusable; the message names the key or flag."""
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT with a port of 1-65535, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def join_host_port(host_port: tuple[str, int]) -> str:
+    host, port = host_port
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass
 class GatewayConfig:
-    upstream: str  # Triton's gRPC HOST:PORT
+    upstreams: list[str] = field(default_factory=lambda: [DEFAULT_UPSTREAM])  # Triton gRPC HOST:PORT each
     models: list[str] = field(default_factory=list)  # the model names served through the gateway
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    upstream_timeout_s: float = 5.0  # for health checks, not for generation
+    listen: tuple[str, int] = ("127.0.0.1", 18080)
+    metrics_listen: tuple[str, int] = ("127.0.0.1", 18081)
+    keys_file: Path | None = None
+    drain_timeout_s: float = 30.0
+    log_level: str = "warning"
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    max_concurrent_upstream: int = 128
+    max_queue: int = 512
+    queue_timeout_s: float = 30.0
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+
+# File key -> (GatewayConfig field, kind); sections hold nested keys.
+_TOP: dict[str, tuple[str, str]] = {
+    "upstreams": ("upstreams", "host_ports"), "models": ("models", "names"), "listen": ("listen", "host_port"),
+    "metrics_listen": ("metrics_listen", "host_port"), "keys_file": ("keys_file", "path"),
+    "max_body_bytes": ("max_body_bytes", "positive_int"), "drain_timeout_s": ("drain_timeout_s", "positive"),
+    "log_level": ("log_level", "log_level"),
+}
+_SECTIONS: dict[str, dict[str, tuple[str, str]]] = {
+    "health": {"interval_s": ("health_interval_s", "positive"), "timeout_s": ("health_timeout_s", "positive")},
+    "limits": {"max_concurrent_upstream": ("max_concurrent_upstream", "positive_int"),
+               "max_queue": ("max_queue", "non_negative_int"), "queue_timeout_s": ("queue_timeout_s", "positive")},
+    "tls": {"cert": ("tls_cert", "path"), "key": ("tls_key", "path")},
+}
+
+
+def _value(where: str, kind: str, raw: Any, base: Path) -> Any:
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{where} must be {expected} (got {raw!r})")
+
+    is_int = isinstance(raw, int) and not isinstance(raw, bool)
+    if kind == "positive_int":
+        if not is_int or raw < 1:
+            raise bad("a positive integer")
+        return raw
+    if kind == "non_negative_int":
+        if not is_int or raw < 0:
+            raise bad("an integer >= 0")
+        return raw
+    if kind == "positive":
+        if isinstance(raw, bool) or not isinstance(raw, int | float) or raw <= 0:
+            raise bad("a positive number")
+        return float(raw)
+    if kind == "path":
+        if not isinstance(raw, str) or not raw:
+            raise bad("a path")
+        return base / Path(raw).expanduser()
+    if kind == "log_level":
+        if raw not in LOG_LEVELS:
+            raise bad(f"one of {', '.join(LOG_LEVELS)}")
+        return raw
+    if kind == "host_port":
+        try:
+            return parse_host_port(raw if isinstance(raw, str) else "")
+        except ValueError:
+            raise bad("HOST:PORT with a port of 1-65535") from None
+    if kind == "host_ports":
+        if not isinstance(raw, list) or not raw:
+            raise bad("a non-empty list of HOST:PORT")
+        return [join_host_port(_value(f"{where}[{i}]", "host_port", item, base)) for i, item in enumerate(raw)]
+    if kind == "names":
+        if not isinstance(raw, list) or not raw or not all(isinstance(x, str) and x for x in raw):
+            raise bad("a non-empty list of model names")
+        return list(dict.fromkeys(raw))
+    raise AssertionError(kind)
+
+
+def parse_config(text: str, source: str = "config", base: Path = Path()) -> dict[str, Any]:
+    """The settings a YAML config file gives, as GatewayConfig field names."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{source} is not valid YAML{at}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} must be a mapping of settings")
+    known = sorted([*_TOP, *_SECTIONS])
+    out: dict[str, Any] = {}
+    for key, raw in data.items():
+        if key in _TOP:
+            name, kind = _TOP[key]
+            out[name] = _value(str(key), kind, raw, base)
+        elif key in _SECTIONS:
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{key} must be a mapping with keys {', '.join(_SECTIONS[key])}")
+            for sub, value in raw.items():
+                if sub not in _SECTIONS[key]:
+                    raise ConfigError(f"{source} has an unknown key '{key}.{sub}'; allowed in {key}: "
+                                      f"{', '.join(_SECTIONS[key])}")
+                name, kind = _SECTIONS[key][sub]
+                out[name] = _value(f"{key}.{sub}", kind, value, base)
+        else:
+            raise ConfigError(f"{source} has an unknown key '{key}'; allowed: {', '.join(known)}")
+    return out
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"the config file {path} is not UTF-8 text") from None
+    return parse_config(text, str(path), path.parent)

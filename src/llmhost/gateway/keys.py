@@ -6,6 +6,11 @@ The keys file (JSON or YAML) holds only hashes, never a key::
       - name: alice
         sha256: 2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae
         max_tokens: 256        # optional: the largest max_tokens this key may ask for
+        rpm: 60                # optional: requests per minute (a token bucket, a minute's burst)
+        tpm: 100000            # optional: tokens per minute, prompt + completion (a token bucket)
+        max_concurrent: 4      # optional: requests and streams of this key in flight at once
+
+Over ``rpm``, ``tpm`` or ``max_concurrent`` a request gets 429 (see ``limits``).
 
 ``llmhost gateway hash-key`` prints the hash of a key read from stdin.
 """
@@ -24,6 +29,8 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 # A key shorter than this is refused by hash-key: guessable.
 MIN_KEY_CHARS = 16
+# The optional per-key limits, all positive integers.
+_LIMITS = ("max_tokens", "rpm", "tpm", "max_concurrent")
 
 
 class KeysError(ValueError):
@@ -35,6 +42,9 @@ class ApiKey:
     name: str
     sha256: str
     max_tokens: int | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
 
 
 def hash_key(key: str) -> str:
@@ -46,17 +56,21 @@ def _entry(i: int, raw: Any) -> ApiKey:
     where = f"keys[{i}]"
     if not isinstance(raw, dict):
         raise KeysError(f"{where} must be a mapping with 'name' and 'sha256'")
-    extra = sorted(set(raw) - {"name", "sha256", "max_tokens"})
+    extra = sorted(set(raw) - {"name", "sha256", *_LIMITS})
     if extra:
-        raise KeysError(f"{where} has unknown field(s) {extra}; allowed: name, sha256, max_tokens")
-    name, digest, cap = raw.get("name"), raw.get("sha256"), raw.get("max_tokens")
+        raise KeysError(f"{where} has unknown field(s) {extra}; allowed: name, sha256, {', '.join(_LIMITS)}")
+    name, digest = raw.get("name"), raw.get("sha256")
     if not isinstance(name, str) or not _NAME.match(name):
         raise KeysError(f"{where}.name must be 1-64 letters, digits or _.@- (got {type(name).__name__})")
     if not isinstance(digest, str) or not _HEX64.match(digest.lower()):
         raise KeysError(f"{where}.sha256 must be 64 hex digits (the output of `llmhost gateway hash-key`)")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise KeysError(f"{where}.max_tokens must be a positive integer")
-    return ApiKey(name, digest.lower(), cap)
+    limits = {}
+    for field in _LIMITS:
+        value = raw.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise KeysError(f"{where}.{field} must be a positive integer")
+        limits[field] = value
+    return ApiKey(name, digest.lower(), **limits)
 
 
 def parse_keys(text: str, source: str = "keys file") -> list[ApiKey]:

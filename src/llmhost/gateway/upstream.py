@@ -10,6 +10,7 @@ cancels the request in Triton, and our backend then aborts it in the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 import uuid
@@ -20,7 +21,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from llmhost.gateway.errors import ApiError, invalid, unavailable
+from llmhost.gateway.errors import ApiError, invalid
 from llmhost.gateway.mapping import BackendRequest
 
 # Backend messages that mean "this server cannot serve now; retry" (503), not
@@ -74,26 +75,59 @@ def _decode_bytes(raw: bytes) -> list[str]:
     return out
 
 
-def parse_response(resp: Any) -> Piece:
-    """A ModelInferResponse -> Piece (outputs absent from it stay empty)."""
-    values: dict[str, Any] = {}
+_NUMERIC = {"UINT8": "B", "UINT16": "H", "UINT32": "I", "UINT64": "Q", "INT8": "b", "INT16": "h", "INT32": "i",
+            "INT64": "q", "FP32": "f", "FP64": "d"}
+
+
+def decode_outputs(resp: Any) -> dict[str, list[Any]]:
+    """A ModelInferResponse's outputs by name, each a flat list (BYTES as text)."""
+    values: dict[str, list[Any]] = {}
     for out, raw in zip(resp.outputs, resp.raw_output_contents, strict=False):
         if out.datatype == "BYTES":
             values[out.name] = _decode_bytes(raw)
-        elif out.datatype == "UINT32":
-            values[out.name] = list(struct.unpack(f"<{len(raw) // 4}I", raw))
+        elif out.datatype == "BOOL":
+            values[out.name] = [b != 0 for b in raw]
+        elif out.datatype in _NUMERIC:
+            fmt = _NUMERIC[out.datatype]
+            values[out.name] = list(struct.unpack(f"<{len(raw) // struct.calcsize(fmt)}{fmt}", raw))
+    return values
+
+
+def is_final(resp: Any) -> bool:
     final_param = resp.parameters.get("triton_final_response")
+    return bool(final_param is not None and final_param.bool_param)
+
+
+def parse_response(resp: Any) -> Piece:
+    """A ModelInferResponse -> Piece (outputs absent from it stay empty)."""
+    values = decode_outputs(resp)
     inputs = values.get("num_input_tokens")
     return Piece(texts=values.get("text_output", []), finish_reasons=values.get("finish_reason", []),
                  num_input_tokens=inputs[0] if inputs else None,
-                 num_output_tokens=values.get("num_output_tokens", []),
-                 final=bool(final_param is not None and final_param.bool_param))
+                 num_output_tokens=values.get("num_output_tokens", []), final=is_final(resp))
+
+
+class UpstreamDown(ApiError):
+    """The upstream could not be reached or dropped the call (503): the pool marks
+    it down and, when nothing was sent yet, retries on another upstream."""
+
+    def __init__(self, target: str, message: str = "the inference server is not reachable; retry shortly") -> None:
+        super().__init__(503, message, "service_unavailable_error", None, "upstream_unavailable")
+        self.target = target
+
+
+class Draining(ApiError):
+    """The backend is shutting down or its engine stopped (503): the pool takes the
+    upstream out until its health check passes again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, "service_unavailable_error", None, "upstream_unavailable")
 
 
 def classify(message: str) -> ApiError:
     """A backend error message -> the error the client sees."""
     if any(m in message for m in _UNAVAILABLE_MARKERS):
-        return unavailable(message)
+        return Draining(message)
     if message.startswith("internal error"):
         return ApiError(500, message, "server_error", None, "internal_error")
     if "unknown model" in message.lower():
@@ -122,21 +156,47 @@ class Upstream:
             await self._channel.close()
             self._channel = self._stub = None
 
-    async def model_ready(self, model: str) -> bool:
-        """Whether the model is ready; an unreachable server raises 503."""
+    async def model_ready(self, model: str, timeout_s: float | None = None) -> bool:
+        """Whether the model is ready; an unreachable server raises UpstreamDown (503)."""
         try:
             resp = await self._get_stub().ModelReady(service_pb2.ModelReadyRequest(name=model),
+                                                     timeout=timeout_s or self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise UpstreamDown(self.target) from None
+            return False
+        return bool(resp.ready)
+
+    async def model_metadata(self, model: str) -> dict[str, Any]:
+        """Triton's model metadata as its HTTP API writes it."""
+        try:
+            m = await self._get_stub().ModelMetadata(service_pb2.ModelMetadataRequest(name=model),
                                                      timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise unavailable("the inference server is not reachable; retry shortly") from None
-            return False
-        return bool(resp.ready)
+                raise UpstreamDown(self.target) from None
+            raise ApiError(404, f"no metadata for model '{model}': {exc.details()}", "not_found_error", "model",
+                           "model_not_found") from None
+
+        def tensors(items: Any) -> list[dict[str, Any]]:
+            return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in items]
+
+        return {"name": m.name, "versions": list(m.versions), "platform": m.platform,
+                "inputs": tensors(m.inputs), "outputs": tensors(m.outputs)}
 
     async def generate(self, req: BackendRequest) -> AsyncIterator[Piece]:
         """The backend's responses for one request. Leaving the iteration early
         (an exception, a cancelled task, ``aclose``) cancels the upstream request."""
-        request = build_request(req, uuid.uuid4().hex)
+        async with contextlib.aclosing(self.infer_stream(build_request(req, uuid.uuid4().hex))) as responses:
+            async for resp in responses:
+                piece = parse_response(resp)
+                yield piece
+                if piece.final:
+                    return
+
+    async def infer_stream(self, request: Any) -> AsyncIterator[Any]:
+        """The ModelInferResponses of one ModelInferRequest (asking for the empty
+        final response), up to the final one; a backend error raises its ApiError."""
         done = asyncio.Event()
 
         async def requests() -> AsyncIterator[Any]:
@@ -148,15 +208,14 @@ class Upstream:
             async for resp in call:
                 if resp.error_message:
                     raise classify(resp.error_message)
-                piece = parse_response(resp.infer_response)
-                yield piece
-                if piece.final:
+                yield resp.infer_response
+                if is_final(resp.infer_response):
                     return
-            raise unavailable("the inference server closed the stream early; retry shortly")
+            raise UpstreamDown(self.target, "the inference server closed the stream early; retry shortly")
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:
                 raise
-            raise unavailable("the inference server is not reachable; retry shortly") from None
+            raise UpstreamDown(self.target) from None
         finally:
             done.set()
             call.cancel()

@@ -1,0 +1,109 @@
+"""The gateway's Prometheus metrics, served on their own listener (``--metrics-listen``,
+``GET /metrics`` only, no authentication).
+
+- ``llmhost_gateway_requests_total{model,key,status}``: every response, once, when
+  it has been sent (a stream: at its end; a client that left first: 499).
+- ``llmhost_gateway_request_duration_seconds{model}``: arrival to last byte.
+- ``llmhost_gateway_time_to_first_token_seconds{model}``: streams, arrival to the
+  first token from the upstream.
+- ``llmhost_gateway_output_tokens_total{model,key}``: tokens generated.
+- ``llmhost_gateway_rate_limited_total{key,limit}``: 429s by key and limit (rpm,
+  tpm, max_concurrent).
+- ``llmhost_gateway_upstream_up{upstream}``: 1 while the upstream is reachable, not
+  draining, and has at least one served model ready; else 0.
+- ``llmhost_gateway_upstream_outstanding{upstream}``: requests in flight on it.
+
+Labels only take values the gateway knows: a model that is not served is
+``unknown`` and an unauthenticated request has the key ``""``, so a client cannot
+grow the series without bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import Receive, Scope, Send
+
+from llmhost.gateway.record import RequestRecord
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+UNKNOWN_MODEL = "unknown"
+
+
+class _PoolCollector(Collector):
+    """The upstream gauges, read from the pool at each scrape."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily("llmhost_gateway_upstream_up", "1 while the upstream is reachable, not draining "
+                               "and has a served model ready, else 0", labels=["upstream"])
+        outstanding = GaugeMetricFamily("llmhost_gateway_upstream_outstanding", "Requests of the gateway in "
+                                        "flight on the upstream", labels=["upstream"])
+        for target, is_up, count in self.pool.snapshot():
+            up.add_metric([target], 1.0 if is_up else 0.0)
+            outstanding.add_metric([target], float(count))
+        yield up
+        yield outstanding
+
+
+class GatewayMetrics:
+    def __init__(self, models: list[str]) -> None:
+        self.models = set(models)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("llmhost_gateway_requests", "Responses of the gateway by model, key name and "
+                                "HTTP status", ["model", "key", "status"], registry=self.registry)
+        self.duration = Histogram("llmhost_gateway_request_duration_seconds", "Time from a request's arrival to "
+                                  "its last byte sent", ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("llmhost_gateway_time_to_first_token_seconds", "Streams: time from a request's "
+                              "arrival to its first token from the upstream", ["model"], buckets=TTFT_BUCKETS,
+                              registry=self.registry)
+        self.output_tokens = Counter("llmhost_gateway_output_tokens", "Tokens generated for the gateway's "
+                                     "clients", ["model", "key"], registry=self.registry)
+        self.rate_limited = Counter("llmhost_gateway_rate_limited", "Requests refused (429) by a key's limit",
+                                    ["key", "limit"], registry=self.registry)
+
+    def watch_pool(self, pool: Any) -> None:
+        """Serve the upstream gauges of POOL (anything with ``snapshot()``)."""
+        self.registry.register(_PoolCollector(pool))
+
+    def model_label(self, model: str | None) -> str:
+        return model if model in self.models else UNKNOWN_MODEL
+
+    def __call__(self, rec: RequestRecord, scope: Scope) -> None:
+        """Observe one finished request (a ``record.RequestMiddleware`` observer)."""
+        model = self.model_label(rec.model)
+        self.requests.labels(model, rec.key, str(rec.status)).inc()
+        self.duration.labels(model).observe(rec.duration_s)
+        if rec.ttft_s is not None:
+            self.ttft.labels(model).observe(rec.ttft_s)
+        if rec.output_tokens:
+            self.output_tokens.labels(model, rec.key).inc(rec.output_tokens)
+        if rec.limited is not None:
+            self.rate_limited.labels(rec.key, rec.limited).inc()
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))
+
+
+def metrics_app(metrics: GatewayMetrics) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """The metrics listener: ``GET /metrics``; anything else 404."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
+            status, body, ctype = 200, metrics.render(), CONTENT_TYPE_LATEST
+        else:
+            status, body, ctype = 404, b"not found: only GET /metrics is served here\n", "text/plain"
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+
+    return app

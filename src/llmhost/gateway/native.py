@@ -1,0 +1,326 @@
+"""Triton's own HTTP API for existing Triton clients, behind the gateway's keys and
+limits and over the same gRPC upstream pool (never Triton's HTTP port):
+
+- ``POST /v2/models/{m}/generate`` and ``/generate_stream``: Triton's generate
+  extension. The body's keys that are inputs of our backend (``text_input``,
+  ``messages``, ``sampling_parameters``, ``stream``, ``exclude_input_in_output``,
+  ``return_finish_reason``, ``return_num_input_tokens``, ``return_num_output_tokens``)
+  become inputs; ``parameters`` (an object) and every other key become request
+  parameters (objects and lists as JSON text). The answer: ``{"model_name",
+  "model_version", <outputs>}`` (one-element outputs as a value), one per response as
+  SSE ``data: {...}`` events for ``generate_stream``.
+- ``GET /v2/health/live``, ``/v2/health/ready`` (every served model ready on some
+  upstream), ``/v2/models/{m}`` (metadata), ``/v2/models/{m}/ready``: 200, or 400 when
+  not ready, as Triton answers.
+
+Errors are Triton's ``{"error": "..."}`` with the gateway's statuses (401, 404, 413,
+429, 503 and the backend's 400). Any other ``/v2`` path (repository, load/unload,
+statistics, trace, logging, shared memory, config) is 404.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from tritonclient.grpc import service_pb2
+
+from llmhost.gateway.errors import ApiError, invalid
+from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
+from llmhost.gateway.record import RequestRecord, record_of
+from llmhost.gateway.responses import sse
+from llmhost.gateway.upstream import decode_outputs
+
+if TYPE_CHECKING:
+    from llmhost.gateway.app import Gateway
+    from llmhost.gateway.keys import ApiKey
+
+STRING_INPUTS = ("text_input", "messages", "sampling_parameters")
+BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
+               "return_num_output_tokens")
+# Asked of the backend always (for usage and limits), returned only when the client asked.
+_COUNTS = ("return_num_input_tokens", "return_num_output_tokens")
+DEFAULT_MAX_TOKENS = 512
+
+
+def _bytes(value: str) -> bytes:
+    raw = value.encode("utf-8", "surrogatepass")
+    return struct.pack("<I", len(raw)) + raw
+
+
+def _set_parameter(msg: Any, name: str, value: Any) -> None:
+    param = msg.parameters[name]
+    if isinstance(value, bool):
+        param.bool_param = value
+    elif isinstance(value, int):
+        param.int64_param = value
+    elif isinstance(value, float):
+        param.double_param = value
+    elif isinstance(value, str):
+        param.string_param = value
+    elif isinstance(value, dict | list):
+        param.string_param = json.dumps(value)
+    else:
+        raise invalid(f"parameter '{name}' must be a string, number, boolean, list or object", name)
+
+
+class NativeRequest:
+    """A generate body, checked: inputs, request parameters, the key's max_tokens cap."""
+
+    def __init__(self, model: str, body: Any, key: ApiKey, stream_endpoint: bool) -> None:
+        if not isinstance(body, dict):
+            raise invalid("the request body must be a JSON object")
+        self.model = model
+        self.inputs: dict[str, Any] = {}
+        self.params: dict[str, Any] = {}
+        self.request_id = ""
+        nested = body.get("parameters")
+        if nested is not None and not isinstance(nested, dict):
+            raise invalid("'parameters' must be a JSON object", "parameters")
+        for name, value in body.items():
+            if name == "parameters":
+                continue
+            if name == "id":
+                if not isinstance(value, str):
+                    raise invalid("'id' must be a string", "id")
+                self.request_id = value
+            elif name in STRING_INPUTS:
+                if not isinstance(value, str):
+                    raise invalid(f"input '{name}' must be a string", name)
+                self.inputs[name] = value
+            elif name in BOOL_INPUTS:
+                if not isinstance(value, bool):
+                    raise invalid(f"input '{name}' must be true or false", name)
+                self.inputs[name] = value
+            else:
+                self.params[name] = value
+        self.params.update(nested or {})
+        self.asked_counts = {n for n in _COUNTS if self.inputs.get(n) is True or self.params.get(n) is True}
+        self._cap(key.max_tokens)
+        self.stream = stream_endpoint
+
+    def _sampling(self) -> dict[str, Any]:
+        text = self.inputs.get("sampling_parameters")
+        if not text:
+            return {}
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return {}  # the backend names the problem
+        return value if isinstance(value, dict) else {}
+
+    def _asked(self, name: str) -> Any:
+        return self.params[name] if name in self.params else self._sampling().get(name)
+
+    def _cap(self, cap: int | None) -> None:
+        asked = self._asked("max_tokens")
+        if isinstance(asked, str) and asked.strip().isdigit():
+            asked = int(asked)
+        if cap is not None:
+            if asked is None:
+                self.params["max_tokens"] = cap
+                asked = cap
+            elif isinstance(asked, int) and not isinstance(asked, bool) and asked > cap:
+                raise invalid(f"'max_tokens' is {asked}; this API key may ask for at most {cap}", "max_tokens",
+                              "max_tokens_above_cap")
+        self.max_tokens = asked if isinstance(asked, int) and not isinstance(asked, bool) else None
+
+    def estimate(self) -> int:
+        n = self._asked("n")
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        return (self.max_tokens or DEFAULT_MAX_TOKENS) * n
+
+    def message(self) -> Any:
+        msg = service_pb2.ModelInferRequest(model_name=self.model, id=self.request_id or uuid.uuid4().hex)
+        msg.parameters["triton_enable_empty_final_response"].bool_param = True
+        inputs = dict(self.inputs)
+        for name in _COUNTS:
+            inputs[name] = True
+        params = {k: v for k, v in self.params.items() if k not in _COUNTS}
+        for name, value in inputs.items():
+            t = msg.inputs.add()
+            t.name = name
+            t.shape.append(1)
+            if isinstance(value, bool):
+                t.datatype = "BOOL"
+                msg.raw_input_contents.append(b"\x01" if value else b"\x00")
+            else:
+                t.datatype = "BYTES"
+                msg.raw_input_contents.append(_bytes(value))
+        for name, value in params.items():
+            _set_parameter(msg, name, value)
+        return msg
+
+
+def _scalar(values: list[Any]) -> Any:
+    return values[0] if len(values) == 1 else values
+
+
+class _Counter:
+    """Keeps a request record's token counts from native responses' outputs."""
+
+    def __init__(self, rec: RequestRecord) -> None:
+        self.rec = rec
+
+    def see(self, outputs: dict[str, list[Any]]) -> None:
+        if outputs.get("num_input_tokens"):
+            self.rec.prompt_tokens = int(outputs["num_input_tokens"][0])
+        if outputs.get("num_output_tokens"):
+            self.rec.output_tokens = int(sum(outputs["num_output_tokens"]))
+
+
+class NativeApi:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v2/health/live", self.live, methods=["GET"]),
+            Route("/v2/health/ready", self.ready, methods=["GET"]),
+            Route("/v2/models/{model}", self.metadata, methods=["GET"]),
+            Route("/v2/models/{model}/ready", self.model_ready, methods=["GET"]),
+            Route("/v2/models/{model}/generate", self.generate, methods=["POST"]),
+            Route("/v2/models/{model}/generate_stream", self.generate_stream, methods=["POST"]),
+        ]
+
+    def _served(self, request: Request) -> str:
+        model = str(request.path_params["model"])
+        record_of(request.scope).model = model
+        if model not in self.gw.config.models:
+            raise ApiError(404, f"Request for unknown model: '{model}' is not served here", "not_found_error",
+                           "model", "model_not_found")
+        return model
+
+    async def live(self, request: Request) -> Response:
+        try:
+            self.gw.auth(request)
+        except ApiError as exc:
+            return error_response(exc, triton=True)
+        return Response(None, 200)
+
+    async def ready(self, request: Request) -> Response:
+        try:
+            self.gw.auth(request)
+            ready = set(await self.gw.pool.ready_models()) >= set(self.gw.config.models)
+        except ApiError as exc:
+            return error_response(exc, triton=True)
+        return Response(None, 200 if ready else 400)
+
+    async def model_ready(self, request: Request) -> Response:
+        try:
+            self.gw.auth(request)
+            model = self._served(request)
+            ready = await self.gw.pool.model_ready(model)
+        except ApiError as exc:
+            return error_response(exc, triton=True)
+        return Response(None, 200 if ready else 400)
+
+    async def metadata(self, request: Request) -> Response:
+        try:
+            self.gw.auth(request)
+            model = self._served(request)
+            body = await self.gw.pool.call(model, lambda client: client.model_metadata(model))
+        except ApiError as exc:
+            return error_response(exc, triton=True)
+        return json_response(body)
+
+    async def generate(self, request: Request) -> Response:
+        return await self._generate(request, stream=False)
+
+    async def generate_stream(self, request: Request) -> Response:
+        return await self._generate(request, stream=True)
+
+    def _body(self, req: NativeRequest, resp: Any, outputs: dict[str, list[Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {"model_name": resp.model_name or req.model, "model_version": resp.model_version or "1"}
+        hidden = {"num_input_tokens": "return_num_input_tokens", "num_output_tokens": "return_num_output_tokens"}
+        for name, values in outputs.items():
+            if name in hidden and hidden[name] not in req.asked_counts:
+                continue
+            out[name] = _scalar(values)
+        return out
+
+    async def _generate(self, request: Request, stream: bool) -> Response:
+        rec = record_of(request.scope)
+        try:
+            key = self.gw.auth(request)
+            model = self._served(request)
+            raw = await read_body(request, self.gw.config.max_body_bytes)
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError):
+                raise invalid("the request body is not valid JSON") from None
+            req = NativeRequest(model, body, key, stream)
+            self.gw.admit(request, key, req.estimate())
+            msg = req.message()
+            counter = _Counter(rec)
+            responses = self._responses(self.gw.pool.stream(model, lambda c: c.infer_stream(msg),
+                                                            self.gw.note_upstream(request)), counter)
+            if stream:
+                first = await until_disconnect(request, _first(responses))
+                rec.ttft_s = time.monotonic() - rec.start
+                return EventStream(self._events(req, first, responses))
+            body_out = await until_disconnect(request, self._whole(req, responses))
+            return json_response(body_out)
+        except ApiError as exc:
+            return error_response(exc, triton=True)
+        except ClientGone:
+            return Response(None, 499)
+
+    async def _responses(self, items: AsyncIterator[Any], counter: _Counter
+                         ) -> AsyncIterator[tuple[Any, dict[str, list[Any]]]]:
+        """(response, outputs) for each response with outputs (the empty final one is skipped)."""
+        try:
+            async for resp in items:
+                outputs = decode_outputs(resp)
+                counter.see(outputs)
+                if outputs:
+                    yield resp, outputs
+        finally:
+            aclose = getattr(items, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _whole(self, req: NativeRequest, responses: AsyncIterator[tuple[Any, dict[str, list[Any]]]]
+                     ) -> dict[str, Any]:
+        """One answer from all responses: texts joined per completion, the rest the latest."""
+        merged: dict[str, list[Any]] = {}
+        last: Any = None
+        async for resp, outputs in responses:
+            last = resp
+            for name, values in outputs.items():
+                if name == "text_output" and name in merged:
+                    old = merged[name]
+                    merged[name] = [(old[i] if i < len(old) else "") + v for i, v in enumerate(values)]
+                else:
+                    merged[name] = values
+        if last is None:
+            raise ApiError(500, "the backend sent no response", "server_error", None, "internal_error")
+        return self._body(req, last, merged)
+
+    async def _events(self, req: NativeRequest, first: tuple[Any, dict[str, list[Any]]] | None,
+                      rest: AsyncIterator[tuple[Any, dict[str, list[Any]]]]) -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield sse(self._body(req, *first))
+            async for resp, outputs in rest:
+                yield sse(self._body(req, resp, outputs))
+        except ApiError as exc:
+            yield sse({"error": exc.message})
+        finally:
+            aclose = getattr(rest, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def _first(responses: AsyncIterator[Any]) -> Any:
+    try:
+        return await anext(responses)
+    except StopAsyncIteration:
+        return None

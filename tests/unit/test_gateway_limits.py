@@ -1,0 +1,184 @@
+"""Per-key limits: rpm and tpm token buckets (a fake clock), max_concurrent, the
+429 OpenAI sends with Retry-After, and bad limits in the keys file named."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from llmhost.gateway.keys import ApiKey, KeysError, hash_key, parse_keys
+from llmhost.gateway.limits import KeyLimiter, RateLimited, TokenBucket
+from tests.unit._gateway_fakes import KEY, Fake, chat, client, keystore, make_app
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _key(**limits: int) -> ApiKey:
+    return ApiKey("k", "0" * 64, **limits)
+
+
+def test_bucket_refills_continuously_up_to_its_capacity():
+    clock = Clock()
+    bucket = TokenBucket(60, clock=clock)
+    bucket.take(60)
+    assert bucket.wait_s(1) == pytest.approx(1.0)
+    clock.now += 30
+    assert bucket.wait_s(30) == 0 and bucket.wait_s(31) == pytest.approx(1.0)
+    clock.now += 1000
+    assert bucket.tokens <= 60 and bucket.wait_s(60) == 0
+    assert bucket.tokens == 60
+
+
+def test_rpm_refuses_with_the_seconds_until_a_request_is_allowed():
+    clock = Clock()
+    limiter = KeyLimiter(clock)
+    key = _key(rpm=2)
+    limiter.admit(key, 0).finish(0)
+    limiter.admit(key, 0).finish(0)
+    with pytest.raises(RateLimited) as info:
+        limiter.admit(key, 0)
+    err = info.value
+    assert err.status == 429 and err.limit == "rpm" and err.type == "requests" and err.code == "rate_limit_exceeded"
+    assert err.headers == {"Retry-After": "30"}  # 1 request refills in 60/2 s
+    clock.now += 29.5
+    with pytest.raises(RateLimited) as info:
+        limiter.admit(key, 0)
+    assert info.value.headers == {"Retry-After": "1"}  # 0.5 s, rounded up
+    clock.now += 0.5
+    limiter.admit(key, 0)
+
+
+def test_tpm_charges_the_estimate_and_settles_with_the_real_usage():
+    clock = Clock()
+    limiter = KeyLimiter(clock)
+    key = _key(tpm=120)
+    first = limiter.admit(key, 100)  # max_tokens up front: 20 left
+    with pytest.raises(RateLimited) as info:
+        limiter.admit(key, 50)
+    assert info.value.limit == "tpm" and info.value.type == "tokens"
+    assert info.value.headers == {"Retry-After": "15"}  # 30 tokens at 2 per second
+    first.finish(10)  # it used 10: 90 come back, 110 left
+    limiter.admit(key, 50).finish(200)  # 60 left, then used 150 more than charged: -90
+    with pytest.raises(RateLimited) as info:
+        limiter.admit(key, 1)
+    assert info.value.headers == {"Retry-After": "46"}  # from -90 to 1: 91 tokens at 2 per second
+    first.finish(0)  # a second finish changes nothing
+    with pytest.raises(RateLimited):
+        limiter.admit(key, 1)
+
+
+def test_an_estimate_above_the_whole_allowance_passes_on_a_full_bucket():
+    limiter = KeyLimiter(Clock())
+    limiter.admit(_key(tpm=100), 10_000)
+
+
+def test_max_concurrent_counts_requests_in_flight():
+    limiter = KeyLimiter(Clock())
+    key = _key(max_concurrent=1)
+    lease = limiter.admit(key, 0)
+    with pytest.raises(RateLimited) as info:
+        limiter.admit(key, 0)
+    assert info.value.limit == "max_concurrent" and info.value.headers == {"Retry-After": "1"}
+    lease.finish(None)
+    limiter.admit(key, 0)
+
+
+def test_a_refused_request_takes_nothing():
+    limiter = KeyLimiter(Clock())
+    key = _key(rpm=3, tpm=10, max_concurrent=5)
+    limiter.admit(key, 10)
+    with pytest.raises(RateLimited) as info:
+        limiter.admit(key, 5)
+    assert info.value.limit == "tpm"
+    limiter.admit(key, 0)
+    limiter.admit(key, 0)  # rpm 3: the refused request took none of it
+
+
+def test_keys_without_limits_are_unlimited():
+    limiter = KeyLimiter(Clock())
+    for _ in range(1000):
+        limiter.admit(_key(), 10_000)
+
+
+def test_limits_are_per_key():
+    limiter = KeyLimiter(Clock())
+    limiter.admit(ApiKey("a", "0" * 64, rpm=1), 0)
+    limiter.admit(ApiKey("b", "1" * 64, rpm=1), 0)
+
+
+@pytest.mark.parametrize(("field", "value"), [("rpm", 0), ("tpm", "100"), ("max_concurrent", True), ("rpm", -1),
+                                              ("tpm", 1.5)])
+def test_bad_limits_in_the_keys_file_are_named(field, value):
+    text = json.dumps({"keys": [{"name": "a", "sha256": hash_key(KEY), field: value}]})
+    with pytest.raises(KeysError, match=rf"keys\[0\]\.{field} must be a positive integer"):
+        parse_keys(text)
+
+
+def test_limits_are_read_from_the_keys_file():
+    key = parse_keys(f"keys: [{{name: a, sha256: {hash_key(KEY)}, rpm: 5, tpm: 600, max_concurrent: 2}}]")[0]
+    assert (key.rpm, key.tpm, key.max_concurrent, key.max_tokens) == (5, 600, 2, None)
+
+
+# --- through the app --------------------------------------------------------------
+
+def test_the_app_answers_429_as_openai_with_retry_after():
+    clock = Clock()
+    fake = Fake()
+    app = make_app(fake, keystore(rpm=1), limiter=KeyLimiter(clock))
+
+    async def run() -> None:
+        async with client(app) as c:
+            assert (await c.post("/v1/chat/completions", content=chat())).status_code == 200
+            r = await c.post("/v1/chat/completions", content=chat())
+            assert r.status_code == 429 and r.headers["retry-after"] == "60"
+            err = r.json()["error"]
+            assert err["type"] == "requests" and err["code"] == "rate_limit_exceeded" and "RPM" in err["message"]
+            clock.now += 60
+            assert (await c.post("/v1/chat/completions", content=chat())).status_code == 200
+
+    asyncio.run(run())
+    assert fake.calls == 2  # the 429 never reached the upstream
+
+
+def test_the_app_refunds_tokens_with_the_real_usage():
+    clock = Clock()
+    app = make_app(Fake(), keystore(tpm=100), limiter=KeyLimiter(clock))
+
+    async def run() -> None:
+        async with client(app) as c:
+            # 60 charged up front each; the fake uses 3 prompt + 4 completion tokens: 86 left.
+            assert (await c.post("/v1/chat/completions", content=chat(max_tokens=60))).status_code == 200
+            assert (await c.post("/v1/chat/completions", content=chat(max_tokens=60, stream=True))).status_code == 200
+            assert (await c.post("/v1/chat/completions", content=chat(max_tokens=85))).status_code == 200
+            r = await c.post("/v1/chat/completions", content=chat(max_tokens=80))  # 79 left
+            assert r.status_code == 429 and r.json()["error"]["type"] == "tokens"
+
+    asyncio.run(run())
+
+
+def test_the_app_limits_concurrent_streams_of_a_key():
+    fake = Fake()
+    fake.gate = asyncio.Event()
+    app = make_app(fake, keystore(max_concurrent=1))
+
+    async def run() -> None:
+        async with client(app) as c:
+            first = asyncio.ensure_future(c.post("/v1/chat/completions", content=chat(stream=True)))
+            while fake.started == 0:
+                await asyncio.sleep(0.01)
+            r = await c.post("/v1/chat/completions", content=chat())
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+            fake.gate.set()
+            assert (await first).status_code == 200
+            assert (await c.post("/v1/chat/completions", content=chat())).status_code == 200
+
+    asyncio.run(run())

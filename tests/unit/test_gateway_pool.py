@@ -1,0 +1,267 @@
+"""The upstream pool: least outstanding among ready upstreams, health checks,
+retry once before the first response (down or draining), never after; the
+per-upstream concurrency limit with its bounded queue; 503 without a healthy
+upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from llmhost.gateway.config import GatewayConfig
+from llmhost.gateway.mapping import BackendRequest
+from llmhost.gateway.pool import PoolSettings, UpstreamPool
+from llmhost.gateway.upstream import Piece, UpstreamDown
+from tests.unit._gateway_fakes import Fake, chat, client, make_app
+
+
+def _pool(*fakes: Fake, models: tuple[str, ...] = ("m",), **settings: Any) -> UpstreamPool:
+    return UpstreamPool([(f"{f.name}:1", f) for f in fakes], list(models), PoolSettings(**settings))
+
+
+def _app(pool: UpstreamPool, models: tuple[str, ...] = ("m",)) -> Any:
+    config = GatewayConfig(upstreams=[m.target for m in pool.members], models=list(models))
+    return make_app(pool, config=config)
+
+
+def _text(r: Any) -> str:
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_requests_go_to_the_upstream_with_the_fewest_outstanding():
+    a, b = Fake("a"), Fake("b")
+    a.gate = asyncio.Event()
+    pool = _pool(a, b)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            first = asyncio.ensure_future(c.post("/v1/chat/completions", content=chat()))
+            while a.started == 0:
+                await asyncio.sleep(0.01)
+            r = await c.post("/v1/chat/completions", content=chat())  # a has one outstanding: b
+            assert _text(r) == "hello from b!"
+            a.gate.set()
+            assert _text(await first) == "hello from a!"
+
+    asyncio.run(run())
+    assert (a.calls, b.calls) == (1, 1)
+
+
+def test_only_upstreams_where_the_model_is_ready_are_picked_and_listed():
+    a, b = Fake("a", ready=("n",)), Fake("b", ready=("m",))
+    pool = _pool(a, b, models=("m", "n", "o"))
+
+    async def run() -> None:
+        async with client(_app(pool, ("m", "n", "o"))) as c:
+            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["m", "n"]
+            for _ in range(3):
+                assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from b!"
+            r = await c.post("/v1/chat/completions", content=chat(model="o"))
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_upstream"
+            assert r.headers["retry-after"] == "2"
+            assert (await c.get("/v1/models/o")).status_code == 404
+
+    asyncio.run(run())
+    assert a.calls == 0
+
+
+def test_health_checks_mark_upstreams_down_and_up():
+    a = Fake("a", reachable=False)
+    pool = _pool(a, Fake("b"))
+
+    async def run() -> None:
+        await pool.check()
+        assert [(t, up) for t, up, _ in pool.snapshot()] == [("a:1", False), ("b:1", True)]
+        a.reachable = True
+        await pool.check()
+        assert [up for _, up, _ in pool.snapshot()] == [True, True]
+        a.ready = set()  # reachable, but the model is not ready
+        await pool.check()
+        assert [up for _, up, _ in pool.snapshot()] == [False, True]
+
+    asyncio.run(run())
+
+
+def test_a_slow_health_check_times_out_and_marks_down():
+    class Slow(Fake):
+        async def model_ready(self, model: str) -> bool:
+            await asyncio.Event().wait()
+            return True
+
+    pool = _pool(Slow("a"), timeout_s=0.01)
+    asyncio.run(pool.check())
+    assert pool.snapshot() == [("a:1", False, 0)]
+
+
+def test_the_health_loop_runs_until_cancelled():
+    a = Fake("a", reachable=False)
+    pool = _pool(a, interval_s=0.01)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(pool.run_health_checks())
+        while not pool.members[0].checked:
+            await asyncio.sleep(0.01)
+        assert not pool.members[0].up
+        a.reachable = True
+        while not pool.members[0].up:
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(run())
+
+
+def test_an_unreachable_upstream_is_marked_down_and_the_request_retried_once():
+    a, b = Fake("a", fail="down"), Fake("b")
+    pool = _pool(a, b)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            await pool.check()
+            r = await c.post("/v1/chat/completions", content=chat(stream=True))
+            assert r.status_code == 200 and "hello from b" in r.text
+            assert [up for _, up, _ in pool.snapshot()] == [False, True]
+            assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from b!"
+
+    asyncio.run(run())
+    assert (a.calls, b.calls) == (1, 2)
+
+
+def test_a_draining_upstream_is_taken_out_until_its_health_check_passes():
+    a, b = Fake("a", fail="the model is shutting down; retry on another instance"), Fake("b")
+    pool = _pool(a, b)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from b!"
+            a.fail = None
+            assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from b!"
+            await pool.check()
+            assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from a!"
+
+    asyncio.run(run())
+    assert (a.calls, b.calls) == (2, 2)
+
+
+def test_only_one_retry_and_the_first_error_when_every_upstream_fails():
+    a, b, c_ = Fake("a", fail="down"), Fake("b", fail="down"), Fake("c", fail="down")
+    pool = _pool(a, b, c_)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            r = await c.post("/v1/chat/completions", content=chat())
+            assert r.status_code == 503 and r.json()["error"]["code"] == "upstream_unavailable"
+
+    asyncio.run(run())
+    assert a.calls + b.calls + c_.calls == 2
+
+
+def test_no_retry_once_a_token_went_to_the_client():
+    class DiesMidStream(Fake):
+        async def generate(self, req: BackendRequest) -> AsyncIterator[Piece]:
+            self.calls += 1
+            yield Piece(["x"], [""], 1, [1], False)
+            raise UpstreamDown(self.name)
+
+    a, b = DiesMidStream("a"), Fake("b")
+    pool = _pool(a, b)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            r = await c.post("/v1/chat/completions", content=chat(stream=True))
+            assert r.status_code == 200 and '"content":"x"' in r.text
+            assert '"code":"upstream_unavailable"' in r.text.replace(" ", "")
+
+    asyncio.run(run())
+    assert (a.calls, b.calls) == (1, 0)
+    assert [up for _, up, _ in pool.snapshot()] == [False, True]
+
+
+def test_no_healthy_upstream_is_503_with_the_openai_error_object():
+    pool = _pool(Fake("a", reachable=False), Fake("b", reachable=False))
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            r = await c.post("/v1/chat/completions", content=chat())
+            assert r.status_code == 503 and "retry-after" in r.headers
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            assert r.json()["error"]["type"] == "service_unavailable_error"
+            assert (await c.get("/v1/models")).json()["data"] == []
+
+    asyncio.run(run())
+
+
+def test_over_the_upstream_limit_requests_queue_then_a_full_queue_is_503():
+    a = Fake("a")
+    a.gate = asyncio.Event()
+    pool = _pool(a, max_concurrent=1, max_queue=1, queue_timeout_s=60)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            first = asyncio.ensure_future(c.post("/v1/chat/completions", content=chat()))
+            while a.started == 0:
+                await asyncio.sleep(0.01)
+            queued = asyncio.ensure_future(c.post("/v1/chat/completions", content=chat()))
+            while pool.waiting == 0:
+                await asyncio.sleep(0.01)
+            r = await c.post("/v1/chat/completions", content=chat())
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+            assert r.headers["retry-after"] == "1"
+            assert a.started == 1  # the queued one waits
+            a.gate.set()
+            assert (await first).status_code == 200 and (await queued).status_code == 200
+
+    asyncio.run(run())
+    assert a.calls == 2 and pool.snapshot() == [("a:1", True, 0)]
+
+
+def test_a_queued_request_gives_up_after_the_queue_timeout():
+    a = Fake("a")
+    a.gate = asyncio.Event()
+    pool = _pool(a, max_concurrent=1, max_queue=4, queue_timeout_s=0.05)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            first = asyncio.ensure_future(c.post("/v1/chat/completions", content=chat()))
+            while a.started == 0:
+                await asyncio.sleep(0.01)
+            r = await c.post("/v1/chat/completions", content=chat())
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+            assert r.headers["retry-after"] == "1"
+            a.gate.set()
+            assert (await first).status_code == 200
+
+    asyncio.run(run())
+    assert pool.waiting == 0
+
+
+def test_a_request_that_leaves_the_queue_frees_its_place():
+    a = Fake("a")
+    pool = _pool(a, max_concurrent=1, max_queue=1, queue_timeout_s=60)
+
+    async def run() -> None:
+        held = await pool.acquire("m")
+        waiter = asyncio.ensure_future(pool.acquire("m"))
+        while pool.waiting == 0:
+            await asyncio.sleep(0.01)
+        waiter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        assert pool.waiting == 0
+        await pool.release(held)
+        assert pool.snapshot() == [("a:1", True, 0)]
+        second = await pool.acquire("m")  # room again, no slot leaked
+        await pool.release(second)
+
+    asyncio.run(run())
+
+
+def test_an_unexpected_failure_of_a_health_check_marks_down_and_checks_go_on():
+    class Broken(Fake):
+        async def model_ready(self, model: str) -> bool:
+            raise RuntimeError("a bug")
+
+    pool = _pool(Broken("a"), Fake("b"))
+    asyncio.run(pool.check())
+    assert [up for _, up, _ in pool.snapshot()] == [False, True]
