@@ -240,8 +240,12 @@ def test_stop_drains_streams_in_flight_then_stops(converged: Converged):
             final = s.events[-1]
             assert final.get("num_output_tokens") == DRAIN_STREAM_TOKENS, f"a stream was cut short: {final}"
             assert final.get("finish_reason") == "length", final
-        assert state == {"ActiveState": "inactive", "Result": "success"}, (  # no SIGKILL on timeout
-            state, host.exec("journalctl -u tritonserver --no-pager -o cat -n 80").stdout)
+        if state != {"ActiveState": "inactive", "Result": "success"}:  # no exit 1, no SIGKILL on timeout
+            journal = host.exec("journalctl -u tritonserver --no-pager -o short-precise -n 400").stdout
+            keep = re.compile(r"Timeout \d+|draining|drain time|exit|Exit|error|Error|failed|Stopp|signal|Killing")
+            (Path(__file__).parents[2] / ".cache" / "drain-stop-journal.txt").write_text(journal)
+            raise AssertionError(f"{state}; the stop's journal (all of it in .cache/drain-stop-journal.txt):\n"
+                                 + "\n".join(line[-300:] for line in journal.splitlines() if keep.search(line))[-6000:])
         assert stop_s < timeout_stop_s, f"stop took {stop_s:.0f} s; TimeoutStopSec {timeout_stop_s}"
         log = host.exec("journalctl -u tritonserver --no-pager -o cat -n 300").stdout
         assert "draining (tritonserver is stopping)" in log, log[-4000:]
