@@ -131,16 +131,23 @@ def _value(where: str, kind: str, raw: Any, base: Path) -> Any:
     raise AssertionError(kind)
 
 
-def parse_config(text: str, source: str = "config", base: Path = Path()) -> dict[str, Any]:
-    """The settings a YAML config file gives, as GatewayConfig field names."""
+def load_yaml(text: str) -> Any:
+    """YAML text -> data; ValueError(" at line N") (or "") when it does not parse."""
     import yaml
 
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{source} is not valid YAML{at}") from None
+        raise ValueError(f" at line {mark.line + 1}" if mark is not None else "") from None
+
+
+def parse_config(text: str, source: str = "config", base: Path = Path()) -> dict[str, Any]:
+    """The settings a YAML config file gives, as GatewayConfig field names."""
+    try:
+        data = load_yaml(text)
+    except ValueError as exc:
+        raise ConfigError(f"{source} is not valid YAML{exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -78,14 +78,12 @@ def parse_keys(text: str, source: str = "keys file") -> list[ApiKey]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        import yaml
+        from llmhost.gateway.config import load_yaml
 
         try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            at = f" at line {mark.line + 1}" if mark is not None else ""
-            raise KeysError(f"{source} is neither JSON nor YAML{at}") from None
+            data = load_yaml(text)
+        except ValueError as exc:
+            raise KeysError(f"{source} is neither JSON nor YAML{exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("keys"), list):
         raise KeysError(f"{source} must be a mapping with a 'keys' list")
     extra = sorted(set(data) - {"keys"})
