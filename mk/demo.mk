@@ -22,9 +22,14 @@ TESTHOST := $(PYTHON) scripts/testhost.py
 DEMO_URL := http://127.0.0.1:$(DEMO_HTTP_PORT)
 DEMO_PROMETHEUS_PORT ?= 19090
 DEMO_NODE_EXPORTER_PORT ?= 19100
-DEMO_PORT_VARS := {"triton_http_port": $(DEMO_HTTP_PORT), "triton_grpc_port": $(DEMO_GRPC_PORT), "triton_metrics_port": $(DEMO_METRICS_PORT), "prometheus_web_listen_address": "127.0.0.1:$(DEMO_PROMETHEUS_PORT)", "node_exporter_web_listen_address": "127.0.0.1:$(DEMO_NODE_EXPORTER_PORT)"}
+DEMO_GATEWAY_PORT ?= 18080
+DEMO_GATEWAY_METRICS_PORT ?= 18081
+# The gateway's API key: random, made once (0600), never committed; the play hashes it.
+DEMO_GATEWAY_KEY_FILE ?= .cache/demo/gateway-api-key
+DEMO_GATEWAY_URL := http://127.0.0.1:$(DEMO_GATEWAY_PORT)/v1
+DEMO_PORT_VARS := {"triton_http_port": $(DEMO_HTTP_PORT), "triton_grpc_port": $(DEMO_GRPC_PORT), "triton_metrics_port": $(DEMO_METRICS_PORT), "prometheus_web_listen_address": "127.0.0.1:$(DEMO_PROMETHEUS_PORT)", "node_exporter_web_listen_address": "127.0.0.1:$(DEMO_NODE_EXPORTER_PORT)", "gateway_port": $(DEMO_GATEWAY_PORT), "gateway_metrics_port": $(DEMO_GATEWAY_METRICS_PORT), "gateway_demo_key_file": "$(abspath $(DEMO_GATEWAY_KEY_FILE))"}
 
-.PHONY: demo demo-host demo-provision demo-smoke demo-down
+.PHONY: demo demo-host demo-provision demo-smoke demo-down demo-gateway-key
 
 demo: demo-smoke
 	@echo
@@ -33,6 +38,7 @@ demo: demo-smoke
 	@echo "  gRPC     127.0.0.1:$(DEMO_GRPC_PORT)"
 	@echo "  metrics  http://127.0.0.1:$(DEMO_METRICS_PORT)/metrics"
 	@echo "  prometheus http://127.0.0.1:$(DEMO_PROMETHEUS_PORT)   (alerts: /alerts, targets: /targets)"
+	@echo "  OpenAI   $(DEMO_GATEWAY_URL)   (llmhost gateway; API key in $(DEMO_GATEWAY_KEY_FILE))"
 	@echo "  grafana  not installed in the demo (no package source here); dashboards staged in the host under /var/lib/llmhost-monitoring/grafana"
 	@echo "  ssh      ssh -i $$($(TESTHOST) status --name $(DEMO_NAME) --state $(DEMO_STATE_BASE) | $(PYTHON) -c 'import json,sys; print(json.load(sys.stdin)["ssh_key"])') -p $(DEMO_SSH_PORT) -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null root@127.0.0.1"
 	@echo "  shell    $(PYTHON) scripts/testhost.py exec --state $(DEMO_STATE_BASE) --name $(DEMO_NAME) -- systemctl status tritonserver"
@@ -42,6 +48,10 @@ demo: demo-smoke
 	@echo "    -d '{\"text_input\": \"def fibonacci(n):\", \"max_tokens\": 32}'"
 	@echo "  curl -sN -X POST $(DEMO_URL)/v2/models/$(DEMO_MODEL)/generate_stream \\"
 	@echo "    -d '{\"text_input\": \"def fibonacci(n):\", \"max_tokens\": 32, \"stream\": true}'"
+	@echo "  curl -s $(DEMO_GATEWAY_URL)/chat/completions -H \"Authorization: Bearer \$$(cat $(DEMO_GATEWAY_KEY_FILE))\" \\"
+	@echo "    -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"model\": \"$(DEMO_MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"def fibonacci(n):\"}], \"max_tokens\": 32}'"
+	@echo "  OpenAI clients: OPENAI_BASE_URL=$(DEMO_GATEWAY_URL) OPENAI_API_KEY=\$$(cat $(DEMO_GATEWAY_KEY_FILE))"
 	@echo
 	@echo "Stop it: make demo-down"
 
@@ -52,7 +62,14 @@ demo-host:
 	  --group inference --group monitoring
 	$(TESTHOST) pip-config --vars-file $(DEMO_DIR)/pip.yml >/dev/null
 
-demo-provision: setup demo-host
+# Random, 43 characters, made only if absent, readable by its owner only.
+demo-gateway-key:
+	@test -s $(DEMO_GATEWAY_KEY_FILE) || { mkdir -p $(dir $(DEMO_GATEWAY_KEY_FILE)) && \
+	  (umask 077 && $(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(32))' > $(DEMO_GATEWAY_KEY_FILE)) && \
+	  echo "demo: made the gateway's API key in $(DEMO_GATEWAY_KEY_FILE)"; }
+	@chmod 0600 $(DEMO_GATEWAY_KEY_FILE)
+
+demo-provision: setup demo-host demo-gateway-key
 	@test -f $(DEMO_PLAYBOOK) || { echo "demo: $(DEMO_PLAYBOOK) is missing" >&2; exit 1; }
 	@test -f $(DEMO_VARS) || { echo "demo: $(DEMO_VARS) is missing" >&2; exit 1; }
 	$(VENV)/bin/ansible-playbook -i $(DEMO_DIR)/inventory.yml -e @$(DEMO_VARS) \

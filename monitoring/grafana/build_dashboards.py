@@ -355,6 +355,30 @@ def serving() -> db.Dashboard:
         heat("Generation length", "Output tokens of finished requests.", "short",
              f"sum by (le) (increase(vllm:request_generation_tokens_bucket{{{SERVING}}}{RATE}))"),
     ]
+    # The llmhost gateway (roles/gateway, job gateway): what clients of the OpenAI API see.
+    gw_quantiles = [
+        (f"histogram_quantile({q}, sum by (le) (rate(llmhost_gateway_{metric}_bucket{{{SERVING}}}{RATE})))",
+         f"p{round(q * 100)} {name}")
+        for metric, name in (("request_duration_seconds", "latency"), ("time_to_first_token_seconds", "TTFT"))
+        for q in (0.5, 0.95)
+    ]
+    gateway = [
+        ts("Gateway requests/s by status", "Responses of the llmhost gateway by HTTP status (401: no or a wrong "
+           "key, 429: a key's limit, 5xx: upstream or gateway errors; Alert: LLMHostGatewayErrorRatioHigh).",
+           "reqps",
+           targets((f"sum by (status) (rate(llmhost_gateway_requests_total{{{SERVING}}}{RATE}))", "{{status}}")),
+           stack=True),
+        ts("Gateway latency and TTFT", "p50 and p95 of the whole request and of the time to the first token, "
+           "as the gateway's clients see them.", "s", targets(*gw_quantiles)),
+        ts("Rate-limited requests/s", "Requests refused with 429 by key and by the limit they hit "
+           "(rpm, tpm, max_concurrent).", "reqps",
+           targets((f"sum by (key, limit) (rate(llmhost_gateway_rate_limited_total{{{HOST}}}{RATE}))",
+                    "{{key}} {{limit}}")), [(None, "green"), (0.1, "orange")]),
+        ts("Gateway upstreams up", "Each Triton upstream of the gateway: 1 healthy, 0 down "
+           "(Alert: LLMHostGatewayNoHealthyUpstream when all are down).", "none",
+           targets((f"min by (instance, upstream) (llmhost_gateway_upstream_up{{{HOST}}})",
+                    "{{instance}} {{upstream}}")), [(None, "red"), (1, "green")], max_val=1),
+    ]
     d = new_dashboard(
         "llmhost / LLM serving", "llmhost-serving",
         "Requests, latency, throughput and scheduler state of the models served by llmhost "
@@ -362,7 +386,7 @@ def serving() -> db.Dashboard:
         [datasource_var(), instance_var(), model_var()],
     )
     return add(d, [("Overview", overview), ("Requests", traffic), ("Latency", latency),
-                   ("Throughput and load", load), ("Request lengths", lengths)])
+                   ("Throughput and load", load), ("Request lengths", lengths), ("Gateway", gateway)])
 
 
 # --- (b) Triton ---------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ RECORDINGS = [
     Recording(FIXTURES / "triton-gpu-metrics.txt", "triton", GPU_HOST),
     # Constructed (no DCGM could run on the device machine): see the file's header.
     Recording(FIXTURES / "dcgm-exporter-metrics.txt", "dcgm", GPU_HOST),
+    # Constructed (the gateway's metrics endpoint was being written): see the file's header.
+    Recording(FIXTURES / "gateway-metrics.txt", "gateway", CPU_HOST),
 ]
 
 

@@ -61,7 +61,7 @@ def test_cluster_config_is_valid_and_scrapes_every_host(tmp_path: Path):
     path = tmp_path / "out" / "prometheus.yml"
     check = promtool("check", "config", path)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "1 rule files found" in check.stdout and "SUCCESS" in check.stdout
+    assert "2 rule files found" in check.stdout and "SUCCESS" in check.stdout
     text = path.read_text()
     assert text.startswith("#\n# Ansible managed")
     config = yaml.safe_load(text)
@@ -75,6 +75,37 @@ def test_cluster_config_is_valid_and_scrapes_every_host(tmp_path: Path):
     assert config["global"]["external_labels"] == {"site": "lab"}
     assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["10.0.0.5:9093"]
     assert config["rule_files"] == [str(tmp_path / "out" / "rules" / "*.yml")]
+
+
+def test_gateway_targets_follow_the_hosts_that_run_it(tmp_path: Path):
+    """Job gateway: hosts with gateway_api_keys (or gateway_enabled true), at their
+    gateway_metrics_listen_address (default llmhost_metrics_bind_address) and port."""
+    key = [{"name": "a", "sha256": "0" * 64}]
+    public = {"llmhost_metrics_bind_address": "0.0.0.0"}
+    inv = inventory(tmp_path, {
+        "gw-keys": {"ansible_host": "10.0.0.11", **public, "gateway_api_keys": key},
+        "gw-port": {"ansible_host": "10.0.0.12", **public, "gateway_enabled": True,
+                    "gateway_metrics_listen_address": "10.0.0.12", "gateway_metrics_port": 9081},
+        "gw-off": {"ansible_host": "10.0.0.13", **public, "gateway_api_keys": key, "gateway_enabled": False},
+        "no-keys": {"ansible_host": "10.0.0.14", **public},
+    }, monitoring="mon-01")
+    r = render(tmp_path, inv)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    check = promtool("check", "config", tmp_path / "out" / "prometheus.yml")
+    assert check.returncode == 0, check.stdout + check.stderr
+    jobs = scrape_jobs(yaml.safe_load((tmp_path / "out" / "prometheus.yml").read_text()))
+    assert jobs["gateway"] == {"gw-keys": "10.0.0.11:18081", "gw-port": "10.0.0.12:9081"}
+
+
+def test_a_gateway_metrics_on_loopback_of_another_host_is_refused(tmp_path: Path):
+    inv = inventory(tmp_path, {
+        "gw-01": {"ansible_host": "10.0.0.11", "llmhost_metrics_bind_address": "0.0.0.0",
+                  "gateway_metrics_listen_address": "127.0.0.1",
+                  "gateway_api_keys": [{"name": "a", "sha256": "0" * 64}]},
+    }, monitoring="mon-01")
+    r = render(tmp_path, inv)
+    assert r.returncode != 0
+    assert "gw-01 (gateway, gateway_metrics_listen_address)" in r.stdout, r.stdout[-3000:]
 
 
 def test_dcgm_targets_follow_the_hosts_that_install_the_exporter(tmp_path: Path):

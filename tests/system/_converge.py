@@ -1,8 +1,8 @@
 """One converge of site.yml into the booted host, shared by the system tests.
 
 The host shares this machine's network: Triton, Prometheus and node_exporter are
-reached on 127.0.0.1 at the free ports chosen here, Triton's metrics on their own
-bind address, METRICS_ADDRESS (another loopback address).
+reached on 127.0.0.1 at the free ports chosen here, Triton's and the gateway's
+metrics on their own bind address, METRICS_ADDRESS (another loopback address).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class Converged:
     ports: dict[str, int]
     first_converge: subprocess.CompletedProcess[str]
     triton_metrics: str = ""  # http://METRICS_ADDRESS:PORT
+    gateway_key_file: Path | None = None  # the gateway's plain API key (0600), as `make demo` makes it
 
 
 def run_playbook(inventory: Path, extra_vars: Path, pip_vars: Path, playbook: str,
@@ -66,7 +68,11 @@ def changed_tasks(out: str) -> list[str]:
 
 
 def converge(host: BootedHost, work: Path) -> Converged:
-    ports = {k: free_port() for k in ("http", "grpc", "metrics", "node", "prometheus")}
+    ports = {k: free_port() for k in ("http", "grpc", "metrics", "node", "prometheus", "gateway", "gateway_metrics")}
+    # The gateway's key, passed as `make demo` passes it (inventory/demo.yml reads the file).
+    key_file = work / "gateway-api-key"
+    key_file.touch(mode=0o600)
+    key_file.write_text(secrets.token_urlsafe(32) + "\n")
     extra = {
         "triton_http_port": ports["http"],
         "triton_grpc_port": ports["grpc"],
@@ -74,6 +80,9 @@ def converge(host: BootedHost, work: Path) -> Converged:
         "llmhost_metrics_bind_address": METRICS_ADDRESS,
         "node_exporter_web_listen_address": f"127.0.0.1:{ports['node']}",
         "prometheus_web_listen_address": f"127.0.0.1:{ports['prometheus']}",
+        "gateway_port": ports["gateway"],
+        "gateway_metrics_port": ports["gateway_metrics"],
+        "gateway_demo_key_file": str(key_file),
         # Fast scrapes so that rates have samples a few seconds after traffic.
         "prometheus_scrape_interval": "5s",
         "prometheus_scrape_timeout": "5s",
@@ -88,4 +97,4 @@ def converge(host: BootedHost, work: Path) -> Converged:
     assert first.returncode == 0, f"site.yml failed:\n{first.stdout[-8000:]}\n{first.stderr[-3000:]}"
     return Converged(host, inventory, extra_vars, f"http://127.0.0.1:{ports['prometheus']}",
                      f"http://127.0.0.1:{ports['http']}", ports, first,
-                     f"http://{METRICS_ADDRESS}:{ports['metrics']}")
+                     f"http://{METRICS_ADDRESS}:{ports['metrics']}", key_file)

@@ -71,7 +71,7 @@ def test_every_target_is_up(monitored: Converged):
             (t["labels"]["job"], t["labels"]["instance"], t["health"], t.get("lastError")) for t in ts]
 
     seen = wait_for("every target up", check)
-    assert {job for job, *_ in seen} == {"prometheus", "triton", "node"}
+    assert {job for job, *_ in seen} == {"prometheus", "triton", "gateway", "node"}
     assert {inst for _, inst, *_ in seen} == {monitored.host.name}
 
 

@@ -1,0 +1,129 @@
+"""roles/gateway's decisions without a host: the preflight refuses bad API key
+entries and settings by name (never printing a key), the demo settings enable
+the gateway only with a key, and the keys file and the unit render as intended.
+
+Preflight cases run `ansible-playbook playbooks/serving.yml --tags preflight
+--check` against this machine, like test_preflight.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.ansible._helpers import REPO, PlaybookRun, ansible_playbook
+from tests.ansible.test_preflight import assert_fails_naming, preflight
+
+KEY = "k" * 12 + "-secret-demo-key"  # 28 characters
+SHORT = "short-key-123"  # 13 characters
+SHA = hashlib.sha256(b"another key of 16+ chars").hexdigest()
+
+
+def keys(*entries: dict[str, Any]) -> dict[str, Any]:
+    return {"gateway_api_keys": list(entries)}
+
+
+def test_without_keys_the_gateway_is_off() -> None:
+    run = preflight()
+    assert run.rc == 0, run.output
+    task = run.output.split("gateway : Assert every API key entry is valid]", 1)[1]
+    assert task.split("TASK [", 1)[0].split("*\n", 1)[1].strip() == "skipping: [localhost]", run.output
+
+
+def test_a_valid_key_passes_preflight() -> None:
+    run = preflight(keys({"name": "alice", "key": KEY, "rpm": 60}, {"name": "bob", "sha256": SHA.upper()}))
+    assert run.rc == 0, run.output
+    assert "Assert every API key entry is valid" in run.output
+    assert KEY not in run.output
+
+
+CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+    ("missing name", keys({"key": KEY}), ("gateway_api_keys[0]", "name missing or invalid")),
+    ("duplicate name", keys({"name": "a", "key": KEY}, {"name": "a", "sha256": SHA}),
+     ("gateway_api_keys[1] (a)", "used twice")),
+    ("key and sha256", keys({"name": "a", "key": KEY, "sha256": SHA}), ("gateway_api_keys[0] (a)", "exactly one")),
+    ("neither key nor sha256", keys({"name": "a"}), ("gateway_api_keys[0] (a)", "exactly one")),
+    ("short key", keys({"name": "a", "key": SHORT}), ("gateway_api_keys[0] (a)", "at least 16 characters")),
+    ("malformed sha256", keys({"name": "a", "sha256": "abc123"}), ("gateway_api_keys[0] (a)", "64 hex digits")),
+    ("unknown field", keys({"name": "a", "key": KEY, "rps": 3}), ("gateway_api_keys[0] (a)", "rps")),
+    ("bad limit", keys({"name": "a", "key": KEY, "tpm": 0}), ("gateway_api_keys[0] (a)", "tpm")),
+    ("enabled without keys", {"gateway_enabled": True}, ("gateway_api_keys is empty",)),
+    ("TLS cert without key", {**keys({"name": "a", "key": KEY}), "gateway_tls_cert_file": "/etc/ssl/certs/x.pem"},
+     ("gateway_tls_cert_file", "gateway_tls_key_file")),
+    ("TLS files missing", {**keys({"name": "a", "key": KEY}), "gateway_tls_cert_file": "/nonexistent/gw.crt",
+                           "gateway_tls_key_file": "/nonexistent/gw.key"}, ("/nonexistent/gw.crt", "not a file")),
+    ("port clash", {**keys({"name": "a", "key": KEY}), "gateway_port": 18081}, ("gateway_port",)),
+    ("unknown model", {**keys({"name": "a", "key": KEY}), "gateway_models": ["llama"]}, ("gateway_models", "llama")),
+    ("bad upstream", {**keys({"name": "a", "key": KEY}), "gateway_upstreams": ["localhost"]}, ("gateway_upstreams",)),
+]
+
+
+@pytest.mark.parametrize("extra,needles", [(e, n) for _, e, n in CASES], ids=[c[0] for c in CASES])
+def test_preflight_names_the_bad_setting(extra: dict[str, Any], needles: tuple[str, ...]) -> None:
+    run = preflight(extra)
+    assert_fails_naming(run, *needles)
+    for secret in (KEY, SHORT):
+        assert secret not in run.output, "the preflight printed a key"
+
+
+def _render(tmp_path: Path, extra: dict[str, Any]) -> PlaybookRun:
+    """Render the keys file and the unit with the role's own vars into tmp_path."""
+    play = tmp_path / "render.yml"
+    play.write_text(f"""---
+- name: Render the gateway's files
+  hosts: localhost
+  gather_facts: false
+  vars_files:
+    - {REPO}/roles/llmhost/defaults/main.yml
+    - {REPO}/roles/gateway/defaults/main.yml
+    - {REPO}/roles/gateway/vars/main.yml
+  tasks:
+    - name: Render
+      ansible.builtin.template:
+        src: "{REPO}/roles/gateway/templates/{{{{ item.src }}}}"
+        dest: "{tmp_path}/{{{{ item.dest }}}}"
+        mode: "0600"
+      loop:
+        - {{src: keys.json.j2, dest: keys.json}}
+        - {{src: llmhost-gateway.service.j2, dest: unit}}
+      no_log: true
+""")
+    extra = {"ansible_python_interpreter": "/usr/bin/python3", "_gateway_help": {"rc": 1}, **extra}
+    return ansible_playbook("-i", "localhost,", "-c", "local", "-e", json.dumps(extra), str(play))
+
+
+def test_keys_file_holds_hashes_and_limits_only(tmp_path: Path) -> None:
+    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY, "max_tokens": 256, "rpm": 60},
+                                    {"name": "bob", "sha256": SHA.upper(), "max_concurrent": 2}),
+                             "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
+    assert run.rc == 0, run.output
+    text = (tmp_path / "keys.json").read_text()
+    assert KEY not in text and KEY not in run.output
+    assert json.loads(text) == {"keys": [
+        {"name": "alice", "sha256": hashlib.sha256(KEY.encode()).hexdigest(), "max_tokens": 256, "rpm": 60},
+        {"name": "bob", "sha256": SHA, "max_concurrent": 2}]}
+
+
+def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> None:
+    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}),
+                             "llmhost_models": [{"name": "tiny", "source": "tiny"}, {"name": "qwen", "source": "tiny"}],
+                             "gateway_upstreams": ["10.0.0.1:8001", "[fd00::2]:8001"],
+                             "gateway_listen_address": "::", "gateway_drain_timeout_s": 40,
+                             "gateway_tls_cert_file": "/etc/ssl/gw.crt", "gateway_tls_key_file": "/etc/ssl/gw.key"})
+    assert run.rc == 0, run.output
+    unit = (tmp_path / "unit").read_text()
+    for want in ("User=llmhost-gateway", "--listen [::]:18080", "--upstream 10.0.0.1:8001",
+                 "--upstream [fd00::2]:8001", "--model tiny", "--model qwen", "--keys-file %d/keys.json",
+                 "LoadCredential=tls.key:/etc/ssl/gw.key", "--tls-cert %d/tls.crt --tls-key %d/tls.key",
+                 "--drain-timeout-s 40", "TimeoutStopSec=55", "KillSignal=SIGTERM", "Restart=on-failure",
+                 "NoNewPrivileges=true", "ProtectSystem=strict", "MemoryDenyWriteExecute=true",
+                 "ProcSubset=pid", "ProtectProc=invisible", "SystemCallFilter=@system-service", "UMask=0077",
+                 "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "\nCapabilityBoundingSet=\n"):
+        assert want in unit, want
+    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}), "gateway_port": 443,
+                             "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
+    assert run.rc == 0, run.output
+    assert "\nCapabilityBoundingSet=CAP_NET_BIND_SERVICE\n" in (tmp_path / "unit").read_text()
