@@ -91,7 +91,7 @@ def _render(tmp_path: Path, extra: dict[str, Any]) -> PlaybookRun:
         - {{src: llmhost-gateway.service.j2, dest: unit}}
       no_log: true
 """)
-    extra = {"ansible_python_interpreter": "/usr/bin/python3", "_gateway_help": {"rc": 1}, **extra}
+    extra = {"ansible_python_interpreter": "/usr/bin/python3", **extra}
     return ansible_playbook("-i", "localhost,", "-c", "local", "-e", json.dumps(extra), str(play))
 
 
