@@ -67,8 +67,12 @@ def changed_tasks(out: str) -> list[str]:
     return names
 
 
-def converge(host: BootedHost, work: Path) -> Converged:
-    ports = {k: free_port() for k in ("http", "grpc", "metrics", "node", "prometheus", "gateway", "gateway_metrics")}
+def converge(host: BootedHost, work: Path, groups: tuple[str, ...] = ("inference", "monitoring"),
+             overrides: dict[str, object] | None = None, ports: dict[str, int] | None = None) -> Converged:
+    """site.yml into HOST with free ports (PORTS chosen by the caller win), the demo
+    key and fast scrapes; OVERRIDES (extra vars, e.g. gateway_upstreams) win over those."""
+    ports = {k: free_port() for k in ("http", "grpc", "metrics", "node", "prometheus", "gateway", "gateway_metrics")
+             } | (ports or {})
     # The gateway's key, passed as `make demo` passes it (inventory/demo.yml reads the file).
     key_file = work / "gateway-api-key"
     key_file.touch(mode=0o600)
@@ -89,10 +93,11 @@ def converge(host: BootedHost, work: Path) -> Converged:
         "prometheus_evaluation_interval": "5s",
         # Grafana cannot be installed here: the role renders its files into a staging dir.
         "grafana_enabled": False,
+        **(overrides or {}),
     }
     extra_vars = work / "vars.json"
     extra_vars.write_text(json.dumps(extra))
-    inventory = host.write_inventory(work / "inventory.yml", groups=("inference", "monitoring"))
+    inventory = host.write_inventory(work / "inventory.yml", groups=groups)
     first = run_playbook(inventory, extra_vars, host.pip_vars_file, "site.yml")
     assert first.returncode == 0, f"site.yml failed:\n{first.stdout[-8000:]}\n{first.stderr[-3000:]}"
     return Converged(host, inventory, extra_vars, f"http://127.0.0.1:{ports['prometheus']}",
