@@ -78,6 +78,12 @@ demo-provision: setup demo-host demo-gateway-key
 demo-smoke: demo-provision
 	$(VENV)/bin/llmhost smoke --url $(DEMO_URL) --grpc-url 127.0.0.1:$(DEMO_GRPC_PORT) \
 	  --metrics-url http://127.0.0.1:$(DEMO_METRICS_PORT) --model $(DEMO_MODEL)
+	@# The OpenAI API through the gateway, with the official client, as the README shows it.
+	$(PY) -c 'import openai, pathlib, sys; \
+	  c = openai.OpenAI(base_url=sys.argv[1], api_key=pathlib.Path(sys.argv[2]).read_text().strip(), max_retries=0); \
+	  r = c.completions.create(model=sys.argv[3], prompt="def fibonacci(n):", max_tokens=8); \
+	  print("demo: the gateway at", sys.argv[1], "answered:", repr(r.choices[0].text))' \
+	  $(DEMO_GATEWAY_URL) $(DEMO_GATEWAY_KEY_FILE) $(DEMO_MODEL)
 
 demo-down:
 	$(TESTHOST) down --name $(DEMO_NAME) --state $(DEMO_STATE_BASE)

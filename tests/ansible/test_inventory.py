@@ -37,17 +37,21 @@ def group_hosts(listing: dict[str, Any], group: str) -> list[str]:
 # -- what the inventory file says wins ---------------------------------------------------
 
 
-def test_example_inventory_serves_its_inference_hosts_on_the_network() -> None:
-    """inventory/example.yml sets llmhost_bind_address 0.0.0.0 for the group inference: every
-    host of the group gets it, as rendered by Ansible with everything the repository ships."""
+def test_example_inventory_puts_the_gateway_in_front_of_loopback_triton() -> None:
+    """inventory/example.yml: every host of the group inference gets the group's vars as
+    rendered by Ansible with everything the repository ships: API keys for the gateway
+    (from a vault), metrics on the network, and Triton left on its loopback default."""
     listing = inventory_list("inventory/example.yml")
     hosts = group_hosts(listing, "inference")
     assert sorted(hosts) == ["gpu-node-01", "gpu-node-02"], listing
     hostvars = listing["_meta"]["hostvars"]
     for host in hosts:
-        assert hostvars[host]["llmhost_bind_address"] == "0.0.0.0", (host, hostvars[host])
-        # The acknowledgement the llmhost preflight asks for with a public address.
-        assert hostvars[host]["llmhost_allow_public_triton"] is True, (host, hostvars[host])
+        assert hostvars[host]["gateway_api_keys"] == "{{ vault_gateway_api_keys }}", (host, hostvars[host])
+        assert hostvars[host]["llmhost_metrics_bind_address"] == "0.0.0.0", (host, hostvars[host])
+        assert hostvars[host]["llmhost_profile"] == "gpu", (host, hostvars[host])
+        # Not set: Triton keeps 127.0.0.1, and no acknowledgement of a public Triton is given.
+        assert "llmhost_bind_address" not in hostvars[host], (host, hostvars[host])
+        assert "llmhost_allow_public_triton" not in hostvars[host], (host, hostvars[host])
     model = hostvars["gpu-node-02"]["llmhost_models"][0]
     assert model["name"] == "qwen2.5-7b-instruct" and model["engine_args"]["tensor_parallel_size"] == 2
 
