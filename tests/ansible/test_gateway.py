@@ -127,3 +127,44 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
                              "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
     assert run.rc == 0, run.output
     assert "\nCapabilityBoundingSet=CAP_NET_BIND_SERVICE\n" in (tmp_path / "unit").read_text()
+
+
+# -- a gateway on a host of its own (group gateway) --------------------------------------
+
+
+def _gateway_only_preflight(tmp_path: Path, gpu1: dict[str, Any]) -> PlaybookRun:
+    """serving.yml's preflight for `gw`, a host of the group gateway alone (this machine),
+    in front of two inference hosts that are only in the inventory (--limit gw)."""
+    inventory = {"all": {"children": {
+        "gateway": {"hosts": {"gw": {"ansible_connection": "local",
+                                     "ansible_python_interpreter": "/usr/bin/python3"}}},
+        "inference": {"hosts": {
+            "gpu-1": {"ansible_host": "10.0.0.11", "llmhost_models": [{"name": "qwen", "source": "tiny"}], **gpu1},
+            "gpu-2": {"ansible_host": "10.0.0.12", "llmhost_bind_address": "0.0.0.0",
+                      "llmhost_allow_public_triton": True,
+                      "llmhost_models": [{"name": "qwen", "source": "tiny"}, {"name": "tiny", "source": "tiny"},
+                                         {"name": "old", "source": "tiny", "state": "absent"}]}}}}}}
+    path = tmp_path / "inventory.json"
+    path.write_text(json.dumps(inventory))
+    return ansible_playbook("-i", str(path), "--limit", "gw", "-e", json.dumps(keys({"name": "a", "key": KEY})),
+                            "--tags", "preflight", "--check", "playbooks/serving.yml")
+
+
+def test_a_gateway_only_host_fronts_every_inference_host(tmp_path: Path) -> None:
+    run = _gateway_only_preflight(tmp_path, {"llmhost_bind_address": "10.0.0.11", "llmhost_allow_public_triton": True,
+                                             "triton_grpc_port": 9001})
+    assert run.rc == 0, run.output
+    assert run.recap()["gw"]["failed"] == 0, run.output
+    # Upstreams from the inventory: gpu-1 at its bind address and own port, gpu-2 (0.0.0.0) at its ansible_host.
+    assert "gateway: models qwen, tiny on upstreams 10.0.0.11:9001, 10.0.0.12:8001" in run.output, run.output
+    # The venv: no vLLM, no Triton server; tritonclient's gRPC side and the gateway's packages.
+    assert "gateway only: tritonclient[grpc]==2.73.0 starlette==" in run.output, run.output
+    assert "vllm" not in run.output.split("Show the packages this host gets", 1)[1].split("TASK [", 1)[0]
+
+
+def test_a_gateway_only_host_refuses_an_inference_host_with_triton_on_loopback(tmp_path: Path) -> None:
+    run = _gateway_only_preflight(tmp_path, {})  # gpu-1: Triton on 127.0.0.1 (the default), another machine
+    failure = run.failure()
+    assert run.recap()["gw"]["failed"] == 1, run.output
+    assert "cannot reach Triton on gpu-1" in failure and "loopback" in failure, failure[:3000]
+    assert KEY not in run.output

@@ -17,7 +17,7 @@ import pytest
 from tests.ansible._helpers import BIN, REPO, PlaybookRun, ansible_env, ansible_playbook, load_yaml
 
 PLAYBOOKS = ["site.yml", "playbooks/gpu.yml", "playbooks/serving.yml", "playbooks/monitoring.yml"]
-GUARD_MESSAGE = "No hosts in the groups inference or monitoring of the inventory"
+GUARD_MESSAGE = "No hosts in the groups inference, gateway or monitoring of the inventory"
 
 
 def inventory_list(inventory: str) -> dict[str, Any]:

@@ -18,8 +18,10 @@ ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 
 
 def inventory(tmp_path: Path, hosts: dict[str, dict[str, Any]], monitoring: str) -> Path:
+    gateway = {h: v for h, v in hosts.items() if v.pop("_gateway", False)}  # a gateway on a host of its own
     inv = {"all": {"children": {
-        "inference": {"hosts": {h: v for h, v in hosts.items() if v.pop("_inference", True)}},
+        "gateway": {"hosts": gateway},
+        "inference": {"hosts": {h: v for h, v in hosts.items() if h not in gateway and v.pop("_inference", True)}},
         "monitoring": {"hosts": {monitoring: {"ansible_connection": "local",
                                               "ansible_python_interpreter": sys.executable}}},
     }}}
@@ -78,8 +80,9 @@ def test_cluster_config_is_valid_and_scrapes_every_host(tmp_path: Path):
 
 
 def test_gateway_targets_follow_the_hosts_that_run_it(tmp_path: Path):
-    """Job gateway: hosts with gateway_api_keys (or gateway_enabled true), at their
-    gateway_metrics_listen_address (default llmhost_metrics_bind_address) and port."""
+    """Job gateway: inference hosts with gateway_api_keys (or gateway_enabled true) and
+    the hosts of the group gateway, at their gateway_metrics_listen_address (default
+    llmhost_metrics_bind_address) and port; node_exporter on the gateway's own host too."""
     key = [{"name": "a", "sha256": "0" * 64}]
     public = {"llmhost_metrics_bind_address": "0.0.0.0"}
     inv = inventory(tmp_path, {
@@ -88,13 +91,15 @@ def test_gateway_targets_follow_the_hosts_that_run_it(tmp_path: Path):
                     "gateway_metrics_listen_address": "10.0.0.12", "gateway_metrics_port": 9081},
         "gw-off": {"ansible_host": "10.0.0.13", **public, "gateway_api_keys": key, "gateway_enabled": False},
         "no-keys": {"ansible_host": "10.0.0.14", **public},
+        "gw-own": {"ansible_host": "10.0.0.20", **public, "_gateway": True},
     }, monitoring="mon-01")
     r = render(tmp_path, inv)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     check = promtool("check", "config", tmp_path / "out" / "prometheus.yml")
     assert check.returncode == 0, check.stdout + check.stderr
     jobs = scrape_jobs(yaml.safe_load((tmp_path / "out" / "prometheus.yml").read_text()))
-    assert jobs["gateway"] == {"gw-keys": "10.0.0.11:18081", "gw-port": "10.0.0.12:9081"}
+    assert jobs["gateway"] == {"gw-keys": "10.0.0.11:18081", "gw-port": "10.0.0.12:9081", "gw-own": "10.0.0.20:18081"}
+    assert jobs["node"]["gw-own"] == "10.0.0.20:9100" and "gw-own" not in jobs["triton"], jobs
 
 
 def test_a_gateway_metrics_on_loopback_of_another_host_is_refused(tmp_path: Path):

