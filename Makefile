@@ -53,7 +53,7 @@ clean:
 -include mk/*.mk
 
 # Not a test: the Triton path against vLLM's own OpenAI server, alternating, five
-# rounds (about 16 minutes; the README's run); prints the median ratios and writes
+# rounds (about 16 minutes; docs/performance.md's run); prints the median ratios and writes
 # bench-results/compare.{json,png}.
 bench-compare: setup
 	$(PY) scripts/bench_compare.py --rounds 5 --concurrency 1,16,64 --duration 20

@@ -196,7 +196,7 @@ def _le(bound: float) -> str:
 
 
 def series_names() -> list[str]:
-    """Every metric family name as it appears on /metrics (README lists these)."""
+    """Every metric family name as it appears on /metrics (docs/monitoring.md lists these)."""
     out = []
     for s in SPECS:
         if s.kind == "histogram":

@@ -23,7 +23,7 @@ PASSED = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_pe
 
 @dataclass
 class BackendRequest:
-    """What one upstream request carries (see README "The API")."""
+    """What one upstream request carries (see docs/api.md)."""
 
     model: str
     text_input: str | None
