@@ -120,7 +120,11 @@ def test_error_object_shape():
     ("the model's engine stopped (EngineCore died); the server is restarting; retry shortly", 503),
     ("the model is shutting down; retry on another instance", 503),
     ("internal error: KeyError; the server log has the details", 500),
-    ("Request for unknown model: 'x' is not found", 404),
+    # Triton's answers while the model unloads (stop) or before it loads: this upstream
+    # does not serve it now; the pool retries elsewhere.
+    ("Request for unknown model: 'x' is not found", 503),
+    ("Request for unknown model: 'tiny' has no available versions", 503),
+    ("Server not ready", 503),
 ])
 def test_backend_errors_are_classified(message, status):
     err = classify(message)

@@ -144,6 +144,22 @@ def test_a_draining_upstream_is_taken_out_until_its_health_check_passes():
     assert (a.calls, b.calls) == (2, 2)
 
 
+def test_an_upstream_unloading_the_model_on_stop_is_skipped_like_a_draining_one():
+    """Triton's own answer while it unloads the model on stop ("has no available
+    versions") comes before any token: the request goes to the other upstream."""
+    a, b = Fake("a", fail="Request for unknown model: 'm' has no available versions"), Fake("b")
+    pool = _pool(a, b)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            for _ in range(2):
+                r = await c.post("/v1/chat/completions", content=chat())
+                assert r.status_code == 200 and _text(r) == "hello from b!", r.text
+
+    asyncio.run(run())
+    assert (a.calls, b.calls) == (1, 2)
+
+
 def test_only_one_retry_and_the_first_error_when_every_upstream_fails():
     a, b, c_ = Fake("a", fail="down"), Fake("b", fail="down"), Fake("c", fail="down")
     pool = _pool(a, b, c_)

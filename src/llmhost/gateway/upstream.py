@@ -27,6 +27,12 @@ from llmhost.gateway.mapping import BackendRequest
 # Backend messages that mean "this server cannot serve now; retry" (503), not
 # "your request is wrong" (400). See llmhost.backend.watchdog and model.py.
 _UNAVAILABLE_MARKERS = ("engine stopped", "shutting down")
+# Triton's own answers for a model it does not serve now: "Request for unknown model:
+# 'm' has no available versions" while it unloads on stop, "... is not found", "Server
+# not ready". The gateway sends only the models it serves, so this upstream cannot
+# serve it now (503, and the request is retried on another upstream).
+_NOT_SERVING_MARKERS = ("request for unknown model", "no available versions", "not at ready state",
+                        "server not ready")
 _MAX_MESSAGE = 64 * 1024 * 1024
 
 
@@ -126,12 +132,10 @@ class Draining(ApiError):
 
 def classify(message: str) -> ApiError:
     """A backend error message -> the error the client sees."""
-    if any(m in message for m in _UNAVAILABLE_MARKERS):
+    if any(m in message for m in _UNAVAILABLE_MARKERS) or any(m in message.lower() for m in _NOT_SERVING_MARKERS):
         return Draining(message)
     if message.startswith("internal error"):
         return ApiError(500, message, "server_error", None, "internal_error")
-    if "unknown model" in message.lower():
-        return ApiError(404, message, "not_found_error", "model", "model_not_found")
     return invalid(message, None, "invalid_request")
 
 
