@@ -37,6 +37,7 @@ class Converged:
     first_converge: subprocess.CompletedProcess[str]
     triton_metrics: str = ""  # http://METRICS_ADDRESS:PORT
     gateway_key_file: Path | None = None  # the gateway's plain API key (0600), as `make demo` makes it
+    gateway_limited_key: str = ""  # a second key, limited to 1 request per minute (rpm: 1)
 
 
 def run_playbook(inventory: Path, extra_vars: Path, pip_vars: Path, playbook: str,
@@ -77,6 +78,7 @@ def converge(host: BootedHost, work: Path, groups: tuple[str, ...] = ("inference
     key_file = work / "gateway-api-key"
     key_file.touch(mode=0o600)
     key_file.write_text(secrets.token_urlsafe(32) + "\n")
+    limited_key = secrets.token_urlsafe(32)
     extra = {
         "triton_http_port": ports["http"],
         "triton_grpc_port": ports["grpc"],
@@ -87,6 +89,10 @@ def converge(host: BootedHost, work: Path, groups: tuple[str, ...] = ("inference
         "gateway_port": ports["gateway"],
         "gateway_metrics_port": ports["gateway_metrics"],
         "gateway_demo_key_file": str(key_file),
+        # The demo key as inventory/demo.yml passes it, and one with a limit, so that the
+        # rate-limit metrics and their dashboard panel can be seen.
+        "gateway_api_keys": "{{ [{'name': 'demo', 'key': lookup('ansible.builtin.file', gateway_demo_key_file)},"
+                            f" {{'name': 'limited', 'key': '{limited_key}', 'rpm': 1}}] }}}}",
         # Fast scrapes so that rates have samples a few seconds after traffic.
         "prometheus_scrape_interval": "5s",
         "prometheus_scrape_timeout": "5s",
@@ -102,4 +108,4 @@ def converge(host: BootedHost, work: Path, groups: tuple[str, ...] = ("inference
     assert first.returncode == 0, f"site.yml failed:\n{first.stdout[-8000:]}\n{first.stderr[-3000:]}"
     return Converged(host, inventory, extra_vars, f"http://127.0.0.1:{ports['prometheus']}",
                      f"http://127.0.0.1:{ports['http']}", ports, first,
-                     f"http://{METRICS_ADDRESS}:{ports['metrics']}", key_file)
+                     f"http://{METRICS_ADDRESS}:{ports['metrics']}", key_file, limited_key)

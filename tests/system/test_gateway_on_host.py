@@ -69,14 +69,16 @@ def test_keys_file_holds_only_the_hash(converged: Converged):
     host, key = converged.host, _key(converged)
     assert host.exec(["stat", "-c", "%a %U %G", KEYS_FILE]).stdout.strip() == f"640 root {USER}"
     text = host.exec(["cat", KEYS_FILE], check=True).stdout
-    assert key not in text
+    limited = converged.gateway_limited_key
+    assert key not in text and limited not in text
     entries = json.loads(text)["keys"]
-    assert entries == [{"name": "demo", "sha256": hashlib.sha256(key.encode()).hexdigest()}], entries
+    assert entries == [{"name": "demo", "sha256": hashlib.sha256(key.encode()).hexdigest()},
+                       {"name": "limited", "sha256": hashlib.sha256(limited.encode()).hexdigest(), "rpm": 1}], entries
     unit = host.exec(["cat", f"/etc/systemd/system/{SERVICE}"], check=True).stdout
     journal = host.exec(["journalctl", "--no-pager", "-o", "cat", "-u", UNIT]).stdout
     for where, text in (("unit", unit), ("journal", journal),
                         ("converge output", converged.first_converge.stdout + converged.first_converge.stderr)):
-        assert key not in text, where
+        assert key not in text and limited not in text, where
 
 
 def test_no_key_or_a_wrong_key_gets_401(converged: Converged):

@@ -14,6 +14,7 @@ import time
 import urllib.request
 
 import pytest
+import requests
 from _converge import Converged, recap, run_playbook
 from tests.monitoring._prom import (
     DASHBOARDS_DIR,
@@ -85,8 +86,25 @@ def test_rules_are_loaded_and_nothing_fires(monitored: Converged):
     assert not firing, firing
 
 
+def _gateway_traffic(m: Converged) -> None:
+    """Through the gateway: a completion, a stream (time to first token), and a request
+    over the limited key's 1 request per minute (429)."""
+    assert m.gateway_key_file is not None
+    base = f"http://127.0.0.1:{m.ports['gateway']}/v1/completions"
+    body = {"model": MODEL, "prompt": "import os", "max_tokens": 8}
+    auth = {"Authorization": f"Bearer {m.gateway_key_file.read_text().strip()}"}
+    assert requests.post(base, json=body, headers=auth, timeout=120).status_code == 200
+    with requests.post(base, json={**body, "stream": True}, headers=auth, timeout=120, stream=True) as r:
+        assert r.status_code == 200 and b"[DONE]" in r.content
+    limited = {"Authorization": f"Bearer {m.gateway_limited_key}"}
+    statuses = [requests.post(base, json=body, headers=limited, timeout=120).status_code for _ in range(2)]
+    assert statuses == [200, 429], statuses
+
+
 def _traffic(m: Converged) -> None:
-    """The smoke probe (as the timer runs it), one invalid request and one cancelled stream."""
+    """The smoke probe (as the timer runs it), one invalid request, one cancelled stream
+    and the gateway's traffic."""
+    _gateway_traffic(m)
     r = m.host.exec(["systemctl", "start", f"llmhost-smoke@{MODEL}.service"], timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     bad = urllib.request.Request(f"{m.triton_http}/v2/models/{MODEL}/generate", method="POST",
