@@ -4,6 +4,7 @@ its tritonserver."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import psutil
 import requests
 
+from llmhost.gateway.mapping import BackendRequest
+from llmhost.gateway.upstream import Upstream
 from llmhost.smoke import parse_sse
 from tests.e2e._server import start_server, wait_gone
 
@@ -114,3 +117,35 @@ def test_sigterm_ends_a_stream_that_outlives_the_drain_with_an_error(tiny_model:
     assert "draining (tritonserver is stopping)" in srv.log.read_text(errors="replace"), srv.log_tail()
     left = wait_gone(kids, timeout_s=30)
     assert not left, f"left behind: {_names(left)}"
+
+
+def test_sigterm_after_concurrent_gateway_requests_unloads_the_model(tiny_model: Path, tmp_path: Path):
+    """Requests over gRPC the way the gateway sends them (llmhost.gateway.upstream),
+    four at a time: the model must still unload on SIGTERM (finalize runs, status 0).
+    With the gateway cancelling each finished call, Triton 2.51 kept a reference to
+    the model, spent its whole exit timeout waiting for it and exited 1."""
+    srv = start_server(tiny_model, tmp_path)
+    request = BackendRequest(model=srv.name, text_input="def main():", messages=None,
+                             sampling={"max_tokens": 8, "ignore_eos": True}, stream=False, n=1,
+                             include_usage=False, chat=False)
+
+    async def traffic() -> int:
+        client = Upstream(srv.grpc)
+
+        async def one() -> int:
+            done = 0
+            for _ in range(40):
+                async for piece in client.generate(request):
+                    done += piece.final
+            return done
+
+        try:
+            return sum(await asyncio.gather(*(one() for _ in range(4))))
+        finally:
+            await client.close()
+
+    assert asyncio.run(traffic()) == 160
+    rc = srv.stop(signal.SIGTERM)
+    log = srv.log.read_text(errors="replace")
+    assert rc == 0, srv.log_tail()
+    assert "Exit timeout expired" not in log and "[llmhost] unloaded in" in log, srv.log_tail()

@@ -215,10 +215,12 @@ class EngineRunner:
 
     def _shutdown_engine(self) -> None:
         engine, self._engine = self._engine, None
+        t0 = time.monotonic()
         try:
             engine.shutdown()
         except Exception as exc:  # noqa: BLE001 - a dead engine may fail to shut down; nothing is left to do
             self.log(f"vLLM's engine shutdown: {describe_failure(exc)}")
+        self.log(f"vLLM's engine stopped in {time.monotonic() - t0:.1f} s")
 
     # -- watchdog -------------------------------------------------------------
     async def _watchdog(self) -> None:

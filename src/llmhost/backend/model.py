@@ -432,7 +432,9 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         runner = getattr(self, "runner", None)
+        t0 = time.monotonic()
         if runner is not None:
+            self.log.log_info("[llmhost] unloading: draining, then stopping vLLM's engine")
             runner.stop(self.config.settings.drain_timeout_s)
         io = getattr(self, "io", None)
         if io is not None:
@@ -443,3 +445,5 @@ class TritonPythonModel:
         self.runner = None
         gc.unfreeze()  # the frozen start-up heap may be freed now
         gc.collect()
+        if runner is not None:
+            self.log.log_info(f"[llmhost] unloaded in {time.monotonic() - t0:.1f} s")

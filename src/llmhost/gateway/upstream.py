@@ -3,8 +3,13 @@
 Uses tritonclient's generated gRPC stubs on a ``grpc.aio`` channel: the asyncio
 client's ``stream_infer`` cannot ask for the empty final response
 (``triton_enable_empty_final_response``) that tells when a decoupled model is done.
-Each request gets its own stream; cancelling the call (a client that went away)
-cancels the request in Triton, and our backend then aborts it in the engine.
+Each request gets its own stream. A request that ends (its final response came)
+closes its stream the polite way: the client half-closes and waits for the server
+to end the call. Cancelling a finished call instead leaked a reference to the model
+in Triton 2.51 whenever several streams ran at once, and the model could then not
+unload: tritonserver spent its whole exit timeout on the next stop and exited 1
+(docs/reliability.md). Only a request still running is cancelled (a client that
+went away): Triton cancels it, and our backend aborts it in the engine.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ _UNAVAILABLE_MARKERS = ("engine stopped", "shutting down")
 _NOT_SERVING_MARKERS = ("request for unknown model", "no available versions", "not at ready state",
                         "server not ready")
 _MAX_MESSAGE = 64 * 1024 * 1024
+# How long a finished call may take to end after the client half-closed it (Triton
+# ends it at once); after that it is cancelled.
+_CLOSE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -208,12 +216,16 @@ class Upstream:
             await done.wait()  # keep the stream open until the last response
 
         call = self._get_stub().ModelStreamInfer(requests())
+        finished = False
         try:
             async for resp in call:
                 if resp.error_message:
+                    finished = True  # an error response is the request's last
                     raise classify(resp.error_message)
-                yield resp.infer_response
                 if is_final(resp.infer_response):
+                    finished = True
+                yield resp.infer_response
+                if finished:
                     return
             raise UpstreamDown(self.target, "the inference server closed the stream early; retry shortly")
         except grpc.aio.AioRpcError as exc:
@@ -221,5 +233,21 @@ class Upstream:
                 raise
             raise UpstreamDown(self.target) from None
         finally:
-            done.set()
-            call.cancel()
+            done.set()  # half-close: no more requests on this stream
+            if finished:
+                await _close_finished(call)
+            else:
+                call.cancel()
+
+
+async def _close_finished(call: Any) -> None:
+    """Wait for the server to end a call whose request is done (the client has
+    half-closed it); cancel it if that takes longer than _CLOSE_TIMEOUT_S or the
+    waiting task is cancelled."""
+    try:
+        await asyncio.wait_for(call.code(), _CLOSE_TIMEOUT_S)
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+        call.cancel()
