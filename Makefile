@@ -45,7 +45,7 @@ test-e2e: setup
 # with site.yml). Debian packages it needs: prometheus (monitoring-deps);
 # systemd-container and debootstrap (installed by scripts/testhost.py).
 test: setup monitoring-deps lint
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible" $(VENV)/bin/pytest tests
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible" $(VENV)/bin/pytest --durations=40 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

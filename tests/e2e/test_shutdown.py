@@ -15,7 +15,7 @@ import requests
 from llmhost.gateway.mapping import BackendRequest
 from llmhost.gateway.upstream import Upstream
 from llmhost.smoke import parse_sse
-from tests.e2e._server import start_server, wait_gone
+from tests.e2e._server import Server, start_server, wait_gone
 
 
 def _names(procs: list[psutil.Process]) -> set[str]:
@@ -28,8 +28,38 @@ def _names(procs: list[psutil.Process]) -> set[str]:
     return out
 
 
+def _gateway_traffic(srv: Server) -> int:
+    """160 requests over gRPC the way the gateway sends them (llmhost.gateway.upstream),
+    four at a time; the number answered in full."""
+    request = BackendRequest(model=srv.name, text_input="def main():", messages=None,
+                             sampling={"max_tokens": 8, "ignore_eos": True}, stream=False, n=1,
+                             include_usage=False, chat=False)
+
+    async def traffic() -> int:
+        client = Upstream(srv.grpc)
+
+        async def one() -> int:
+            done = 0
+            for _ in range(40):
+                async for piece in client.generate(request):
+                    done += piece.final
+            return done
+
+        try:
+            return sum(await asyncio.gather(*(one() for _ in range(4))))
+        finally:
+            await client.close()
+
+    return asyncio.run(traffic())
+
+
 def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: Path):
+    """After the gateway's traffic, a stream in flight when SIGTERM comes completes, the
+    model unloads (finalize runs), serve exits 0 and nothing is left. With the gateway
+    cancelling each finished gRPC call, Triton 2.51 kept a reference to the model,
+    spent its whole exit timeout waiting for it and exited 1."""
     srv = start_server(tiny_model, tmp_path)
+    assert _gateway_traffic(srv) == 160
     kids = srv.descendants()
     names = " ".join(_names(kids))
     assert "tritonserver" in names and "EngineCore" in names, names
@@ -54,6 +84,8 @@ def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: P
     rc = srv.stop(signal.SIGTERM)
     t.join(timeout=60)
     assert rc == 0, srv.log_tail()
+    log = srv.log.read_text(errors="replace")
+    assert "Exit timeout expired" not in log and "[llmhost] unloaded in" in log, srv.log_tail()
     assert results and results[0][-1]["num_output_tokens"] == 300, "the in-flight stream was cut short"
     left = wait_gone(kids, timeout_s=30)
     assert not left, f"left behind: {_names(left)}"
@@ -118,34 +150,3 @@ def test_sigterm_ends_a_stream_that_outlives_the_drain_with_an_error(tiny_model:
     left = wait_gone(kids, timeout_s=30)
     assert not left, f"left behind: {_names(left)}"
 
-
-def test_sigterm_after_concurrent_gateway_requests_unloads_the_model(tiny_model: Path, tmp_path: Path):
-    """Requests over gRPC the way the gateway sends them (llmhost.gateway.upstream),
-    four at a time: the model must still unload on SIGTERM (finalize runs, status 0).
-    With the gateway cancelling each finished call, Triton 2.51 kept a reference to
-    the model, spent its whole exit timeout waiting for it and exited 1."""
-    srv = start_server(tiny_model, tmp_path)
-    request = BackendRequest(model=srv.name, text_input="def main():", messages=None,
-                             sampling={"max_tokens": 8, "ignore_eos": True}, stream=False, n=1,
-                             include_usage=False, chat=False)
-
-    async def traffic() -> int:
-        client = Upstream(srv.grpc)
-
-        async def one() -> int:
-            done = 0
-            for _ in range(40):
-                async for piece in client.generate(request):
-                    done += piece.final
-            return done
-
-        try:
-            return sum(await asyncio.gather(*(one() for _ in range(4))))
-        finally:
-            await client.close()
-
-    assert asyncio.run(traffic()) == 160
-    rc = srv.stop(signal.SIGTERM)
-    log = srv.log.read_text(errors="replace")
-    assert rc == 0, srv.log_tail()
-    assert "Exit timeout expired" not in log and "[llmhost] unloaded in" in log, srv.log_tail()
