@@ -13,7 +13,7 @@ help:
 	@echo "make demo-down  stop and remove the demo container"
 	@echo "make test       every test: lint, unit, e2e (real tritonserver + vLLM), system (booted host)"
 	@echo "make setup      create .venv (vLLM CPU, Triton, test tools)"
-	@echo "make bench-compare  Triton path vs vLLM's own server (numbers, not a test)"
+	@echo "make bench-compare  Triton path, gateway and vLLM's own server (numbers, not a test)"
 	@echo "make soak       10 minutes at concurrency 32 (numbers, not a test)"
 
 # The venv: vLLM first, Triton second (they cannot be resolved in one pip call:
@@ -52,9 +52,9 @@ clean:
 
 -include mk/*.mk
 
-# Not a test: the Triton path against vLLM's own OpenAI server, alternating, five
-# rounds (about 16 minutes; docs/performance.md's run); prints the median ratios and writes
-# bench-results/compare.{json,png}.
+# Not a test: the Triton path, the gateway in front of it and vLLM's own OpenAI
+# server, one at a time, five rotating rounds (about 25 minutes; docs/performance.md);
+# prints the median ratios against their goals and writes bench-results/compare.{json,png}.
 bench-compare: setup
 	$(PY) scripts/bench_compare.py --rounds 5 --concurrency 1,16,64 --duration 20
 

@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""`make bench-compare`: llmhost's Triton path against vLLM's own OpenAI server.
+"""`make bench-compare`: llmhost's paths against vLLM's own OpenAI server.
 
-Same tiny model, same engine arguments, same workload. The two servers never run
-at the same time (vLLM's CPU workers would compete for the cores): each round
-starts one, measures it, stops it, then the other, alternating which goes first.
-Reports the median output-tokens/s ratio and TTFT per concurrency level, writes
-JSON and a PNG under bench-results/. Not a test: it prints numbers, gates nothing.
+Three paths, the same tiny model, engine arguments and workload: `triton` (our
+backend's `/generate_stream`, HTTP SSE), `gateway` (the same Triton behind
+`llmhost gateway`, OpenAI `/v1/completions` with an API key) and `vllm` (vLLM's
+OpenAI server). They never run at the same time (vLLM's CPU workers would compete
+for the cores): each round starts one, measures it, stops it, then the next, the
+order rotating by one each round. Reports per concurrency level the median of the
+per-round ratios against the goals of llmhost.bench_compare, the gateway's CPU per
+output token, and writes JSON and a PNG under bench-results/. Not a test: it prints
+numbers and gates nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import requests
 
 from llmhost.backend.config import BackendSettings
 from llmhost.bench import LevelResult, Target, Workload, plot, sweep, table
+from llmhost.bench_compare import GOALS, PATHS, Goal, check, compare, round_order
+from llmhost.gateway.keys import hash_key
 from llmhost.tiny_model import write_tiny_model
 
 MAX_MODEL_LEN = 1024
@@ -44,7 +50,8 @@ _LOWER_PRIORITY = ("nice", "-n", str(SERVER_NICE), "sh", "-c",
                    f'echo {SERVER_NICE} > /proc/self/autogroup 2>/dev/null; exec "$@"', "server")
 
 
-def start(cmd: list[str], env: dict[str, str], ready_url: str, log: Path) -> subprocess.Popen[bytes]:
+def start(cmd: list[str], env: dict[str, str], ready_url: str, log: Path,
+          headers: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         proc = subprocess.Popen([*_LOWER_PRIORITY, *cmd], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -53,7 +60,7 @@ def start(cmd: list[str], env: dict[str, str], ready_url: str, log: Path) -> sub
         if proc.poll() is not None:
             raise SystemExit(f"server exited with {proc.returncode}; see {log}")
         try:
-            if requests.get(ready_url, timeout=2).status_code == 200:
+            if requests.get(ready_url, timeout=2, headers=headers).status_code == 200:
                 return proc
         except requests.RequestException:
             pass
@@ -142,12 +149,12 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     ap.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
-                    help="a backend setting for the Triton path (llmhost serve --setting), repeatable")
-    ap.add_argument("--servers", default="triton,vllm", help="which to run (one alone: for experiments)")
+                    help="a backend setting for the Triton paths (llmhost serve --setting), repeatable")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"which to run, of {', '.join(PATHS)}")
     args = ap.parse_args()
-    names = [n for n in args.servers.split(",") if n]
-    if not names or set(names) - {"triton", "vllm"}:
-        ap.error("--servers: triton, vllm or both")
+    names = [n for n in args.paths.split(",") if n]
+    if not names or set(names) - set(PATHS) or len(set(names)) != len(names):
+        ap.error(f"--paths: one or more of {', '.join(PATHS)}, each once")
     levels = [int(c) for c in args.concurrency.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="llmhost-bench-"))
@@ -160,33 +167,53 @@ def main() -> int:
                   "--http-port", "18800", "--grpc-port", "18801", "--metrics-port", "18802",
                   "--workdir", str(work / "triton"), *engine,
                   *(a for kv in args.setting for a in ("--setting", kv))]
+    key = "bench-" + os.urandom(16).hex()
+    keys_file = work / "gateway-keys.yml"
+    keys_file.write_text(f"keys:\n  - name: bench\n    sha256: {hash_key(key)}\n")
+    # Room for every level's requests at once: the gateway's queue is not under test.
+    gateway_cmd = [str(bin_dir / "llmhost"), "gateway", "--upstream", "127.0.0.1:18801",
+                   "--listen", "127.0.0.1:18820", "--metrics-listen", "127.0.0.1:18821", "--keys-file", str(keys_file),
+                   "--model", "tiny", "--max-concurrent-upstream", str(max(levels) * 2), "--log-level", "warning"]
     vllm_cmd = [str(bin_dir / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "18810", "--enforce-eager",
                 "--dtype", "bfloat16", "--disable-log-stats", *engine]
-    servers = {
-        "triton": (triton_cmd, "http://127.0.0.1:18800/v2/models/tiny/ready",
-                   Target("http", "http://127.0.0.1:18800", "tiny")),
-        "vllm": (vllm_cmd, "http://127.0.0.1:18810/health", Target("openai", "http://127.0.0.1:18810", "tiny")),
+    triton = (triton_cmd, "http://127.0.0.1:18800/v2/models/tiny/ready", None)
+    auth = {"Authorization": f"Bearer {key}"}
+    # Each path: the processes to start in order (command, ready URL, headers) and the target.
+    paths: dict[str, tuple[list[tuple[list[str], str, dict[str, str] | None]], Target]] = {
+        "triton": ([triton], Target("http", "http://127.0.0.1:18800", "tiny")),
+        "gateway": ([triton, (gateway_cmd, "http://127.0.0.1:18820/v1/models", auth)],
+                    Target("openai", "http://127.0.0.1:18820", "tiny", api_key=key)),
+        "vllm": ([(vllm_cmd, "http://127.0.0.1:18810/health", None)],
+                 Target("openai", "http://127.0.0.1:18810", "tiny")),
     }
     workload = Workload(requests=args.requests, duration_s=args.duration, prompt_words=args.prompt_words,
                         output_tokens=args.output_tokens)
-    runs: dict[str, list[list[LevelResult]]] = {"triton": [], "vllm": []}
-    stalls: dict[str, list[float]] = {"triton": [], "vllm": []}
-    cpu: dict[str, list[dict[str, float]]] = {"triton": [], "vllm": []}
+    runs: dict[str, list[list[LevelResult]]] = {n: [] for n in names}
+    stalls: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     probe = StallProbe()
     for rnd in range(args.rounds):
-        order = names if rnd % 2 == 0 else names[::-1]
-        for name in order:
-            cmd, ready, target = servers[name]
+        for name in round_order(names, rnd):
+            procs_spec, target = paths[name]
             print(f"round {rnd + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
-            proc = start(cmd, env, ready, args.out / f"{name}.log")
-            t0 = time.monotonic()
-            cpu0 = cpu_seconds(proc)
+            procs: list[tuple[str, subprocess.Popen[bytes]]] = []
             try:
+                for cmd, ready, headers in procs_spec:
+                    label = "gateway" if cmd is gateway_cmd else "triton" if cmd is triton_cmd else name
+                    procs.append((label, start(cmd, env, ready, args.out / f"{label}.log", headers)))
+                t0 = time.monotonic()
+                cpu0 = {label: cpu_seconds(p) for label, p in procs}
                 results = asyncio.run(sweep(target, workload, levels, progress=True))
-                used = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu_seconds(proc).items()}
+                used: dict[str, float] = {}
+                for label, p in procs:
+                    prefix = "gateway:" if label == "gateway" else ""
+                    for k, v in cpu_seconds(p).items():
+                        if k != "ctxt":
+                            used[prefix + k] = round(v - cpu0[label].get(k, 0.0), 2)
             finally:
-                stop(proc)
+                for _, p in reversed(procs):
+                    stop(p)
             stalled = probe.stalled_s(t0, time.monotonic())
             print(table(results), flush=True)
             print(f"  client stalls (the load generator could not run): {stalled:.1f} s; "
@@ -198,37 +225,45 @@ def main() -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
             "rounds": args.rounds, "workload": workload.__dict__, "max_model_len": MAX_MODEL_LEN,
             "llmhost_settings": BackendSettings().__dict__, "llmhost_setting_overrides": args.setting,
-            "server_nice": SERVER_NICE}
-    record = {"meta": meta, "stalls_s": stalls, "cpu_s": cpu,
-              "runs": {k: [[r.__dict__ for r in rs] for rs in v] for k, v in runs.items()}}
-    if len(names) < 2:
-        (args.out / "compare.json").write_text(json.dumps(record, indent=2) + "\n")
-        print(f"\none server only: no ratios; wrote {args.out / 'compare.json'}")
-        return 0
-    summary = []
-    print("\nmedian over rounds (Triton path / vLLM's own server):")
-    print(f"{'conc':>4} {'triton tok/s':>13} {'vllm tok/s':>11} {'ratio':>6} {'TTFT p50 triton':>16} {'vllm':>7} "
-          f"{'TTFT ratio':>10}")
-    for i, c in enumerate(levels):
-        t_tps = [r[i].output_tokens_per_s for r in runs["triton"]]
-        v_tps = [r[i].output_tokens_per_s for r in runs["vllm"]]
-        t_ttft = [r[i].ttft_s.get("p50", float("nan")) for r in runs["triton"]]
-        v_ttft = [r[i].ttft_s.get("p50", float("nan")) for r in runs["vllm"]]
-        ratios = [a / b for a, b in zip(t_tps, v_tps, strict=True) if b]
-        row = {"concurrency": c, "triton_tokens_per_s": statistics.median(t_tps),
-               "vllm_tokens_per_s": statistics.median(v_tps), "ratio_median": statistics.median(ratios),
-               "ratios": ratios, "triton_ttft_p50_s": statistics.median(t_ttft),
-               "vllm_ttft_p50_s": statistics.median(v_ttft)}
-        row["ttft_ratio"] = row["triton_ttft_p50_s"] / row["vllm_ttft_p50_s"]
-        summary.append(row)
-        print(f"{c:>4} {row['triton_tokens_per_s']:>13.1f} {row['vllm_tokens_per_s']:>11.1f} "
-              f"{row['ratio_median']:>6.2f} {row['triton_ttft_p50_s'] * 1000:>14.0f}ms "
-              f"{row['vllm_ttft_p50_s'] * 1000:>5.0f}ms {row['ttft_ratio']:>10.2f}")
+            "server_nice": SERVER_NICE, "paths": names,
+            "streaming": {"triton": "HTTP SSE from the backend, deltas grouped per stream_interval_ms",
+                          "gateway": "OpenAI SSE, one chunk per backend response (grouped the same way)",
+                          "vllm": "OpenAI SSE, one event per engine step"}}
+    record: dict[str, object] = {"meta": meta, "stalls_s": stalls, "cpu_s": cpu,
+                                 "runs": {k: [[r.__dict__ for r in rs] for rs in v] for k, v in runs.items()}}
+    if "gateway" in runs:
+        tokens = [sum(r.output_tokens_per_s * r.duration_s for r in rs) for rs in runs["gateway"]]
+        per_token = [sum(v for k, v in c.items() if k.startswith("gateway:") and ":switches" not in k) / t
+                     for c, t in zip(cpu["gateway"], tokens, strict=True) if t]
+        if per_token:
+            record["gateway_cpu_ms_per_token"] = round(statistics.median(per_token) * 1000, 3)
+            print(f"\nthe gateway's own CPU per output token (median of rounds): "
+                  f"{record['gateway_cpu_ms_per_token']} ms")
+    comparisons: list[tuple[str, str, Goal | None]] = [(g.path, g.base, g) for g in GOALS]
+    comparisons.append(("triton", "vllm", None))  # no goal of its own here: issue 14 sets the GPU's
+    summary: dict[str, object] = {}
+    for path, base, goal in comparisons:
+        if path not in runs or base not in runs:
+            continue
+        pair = f"{path}/{base}"
+        rows = compare(runs, path, base)
+        misses = check(goal, rows) if goal is not None else []
+        summary[pair] = {"rows": rows, "goal": goal.__dict__ if goal else None, "misses": misses}
+        print(f"\n{path} / {base}, medians over {args.rounds} rounds:")
+        print(f"{'conc':>4} {path + ' tok/s':>16} {base + ' tok/s':>14} {'ratio':>6} {'TTFT p50':>9} {base:>8} "
+              f"{'TTFT ratio':>10}")
+        for row in rows:
+            print(f"{row['concurrency']:>4} {row[path + '_tokens_per_s']:>16.1f} {row[base + '_tokens_per_s']:>14.1f} "
+                  f"{row['tps_ratio']:>6.2f} {row[path + '_ttft_p50_s'] * 1000:>7.0f}ms "
+                  f"{row[base + '_ttft_p50_s'] * 1000:>6.0f}ms {row['ttft_ratio']:>10.2f}")
+        if goal is not None:
+            print("  goal met" if not misses else "  goal missed: " + "; ".join(misses))
     (args.out / "compare.json").write_text(json.dumps({**record, "summary": summary}, indent=2) + "\n")
-    median_run = {name: [sorted((r[i] for r in rs), key=lambda x: x.output_tokens_per_s)[len(rs) // 2]
-                         for i in range(len(levels))] for name, rs in runs.items()}
-    plot({"llmhost (Triton, HTTP SSE)": median_run["triton"], "vLLM OpenAI server": median_run["vllm"]},
-         args.out / "compare.png", f"tiny model, {os.cpu_count()} CPU cores, {meta['date']}")
+    labels = {"triton": "llmhost (Triton, HTTP SSE)", "gateway": "llmhost gateway (OpenAI SSE)",
+              "vllm": "vLLM OpenAI server"}
+    median_run = {labels[name]: [sorted((r[i] for r in rs), key=lambda x: x.output_tokens_per_s)[len(rs) // 2]
+                                 for i in range(len(levels))] for name, rs in runs.items()}
+    plot(median_run, args.out / "compare.png", f"tiny model, {os.cpu_count()} CPU cores, {meta['date']}")
     print(f"\nwrote {args.out / 'compare.json'} and {args.out / 'compare.png'}")
     return 0
 

@@ -87,8 +87,9 @@ def percentiles(values: list[float]) -> dict[str, float]:
 class Target:
     """One kind of endpoint; ``one`` sends a streaming request and times it."""
 
-    def __init__(self, kind: str, url: str, model: str) -> None:
+    def __init__(self, kind: str, url: str, model: str, api_key: str | None = None) -> None:
         self.kind, self.url, self.model = kind, url.rstrip("/"), model
+        self.api_key = api_key  # sent as `Authorization: Bearer` (the llmhost gateway)
         self._session: Any = None
         self._grpc: Any = None
 
@@ -106,7 +107,8 @@ class Target:
             # request fails with "Server disconnected" at the start of a level.
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
-                timeout=aiohttp.ClientTimeout(total=600))
+                timeout=aiohttp.ClientTimeout(total=600),
+                headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None)
 
     async def close(self) -> None:
         if self._session is not None:

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Triton HTTP URL, Triton gRPC HOST:PORT (--kind grpc) or an OpenAI-compatible base URL")
     b.add_argument("--kind", choices=("http", "grpc", "openai"), default="http")
     b.add_argument("--model", default="model")
+    b.add_argument("--api-key-file", type=Path, metavar="PATH",
+                   help="a file holding the API key to send as a bearer token (--kind openai through the gateway)")
     b.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64],
                    help="comma-separated levels (default 1,2,4,8,16,32,64)")
     g = b.add_mutually_exclusive_group()
@@ -134,7 +136,17 @@ def _bench(args: argparse.Namespace) -> int:
         output_tokens=args.output_tokens[0], output_tokens_max=args.output_tokens[1],
         seed=args.seed, ignore_eos=not args.no_ignore_eos,
     )
-    target = Target(args.kind, args.url, args.model)
+    api_key = None
+    if args.api_key_file is not None:
+        try:
+            api_key = args.api_key_file.read_text().strip()
+        except OSError as exc:
+            print(f"llmhost bench: cannot read --api-key-file: {exc}", file=sys.stderr)
+            return 2
+        if not api_key:
+            print(f"llmhost bench: --api-key-file {args.api_key_file} is empty", file=sys.stderr)
+            return 2
+    target = Target(args.kind, args.url, args.model, api_key=api_key)
     results = asyncio.run(sweep(target, workload, args.concurrency, progress=not args.quiet))
     print(table(results))
     meta = {"kind": args.kind, "url": args.url, "model": args.model, "workload": workload.__dict__,

@@ -36,3 +36,31 @@ def test_bad_bench_arguments(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", *argv])
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [None, "  \n"])
+def test_an_unreadable_or_empty_key_file_is_a_clear_error(content, tmp_path, capsys):
+    from llmhost.cli import main
+
+    key = tmp_path / "key"
+    if content is not None:
+        key.write_text(content)
+    rc = main(["bench", "--kind", "openai", "--url", "http://127.0.0.1:9", "--api-key-file", str(key)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--api-key-file" in err and ("cannot read" if content is None else "is empty") in err
+
+
+def test_the_api_key_is_sent_as_a_bearer_token():
+    import asyncio
+
+    from llmhost.bench import Target
+
+    async def headers() -> dict[str, str]:
+        t = Target("openai", "http://127.0.0.1:9", "m", api_key="k123")
+        await t.open()
+        try:
+            return dict(t._session.headers)
+        finally:
+            await t.close()
+
+    assert asyncio.run(headers())["Authorization"] == "Bearer k123"

@@ -1,0 +1,84 @@
+"""The arithmetic of `make bench-compare` (scripts/bench_compare.py): which path runs
+first in each round, and the median ratios between paths per concurrency level,
+checked against the goals the project set itself (issue 13: the gateway against the
+native Triton path and against vLLM's own server)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from llmhost.bench import LevelResult
+
+PATHS = ("triton", "gateway", "vllm")
+
+
+@dataclass(frozen=True)
+class Goal:
+    """PATH against BASE: median throughput ratio at least MIN_TPS_RATIO and, if set,
+    TTFT p50 ratio at most MAX_TTFT_RATIO, at the concurrency levels LEVELS (None: all)."""
+
+    path: str
+    base: str
+    min_tps_ratio: float
+    max_ttft_ratio: float | None = None
+    levels: tuple[int, ...] | None = None
+
+
+GOALS = (
+    Goal("gateway", "triton", 0.95, 1.10),
+    Goal("gateway", "vllm", 0.90, None, (16, 64)),
+)
+
+
+def round_order(names: list[str], rnd: int) -> list[str]:
+    """The order of the paths in round RND (from 0): rotated by one each round, so
+    each path runs first, second and last equally often."""
+    k = rnd % len(names)
+    return names[k:] + names[:k]
+
+
+def _p50(r: LevelResult) -> float:
+    return r.ttft_s.get("p50", math.nan)
+
+
+def compare(runs: dict[str, list[list[LevelResult]]], path: str, base: str) -> list[dict[str, Any]]:
+    """Per concurrency level, PATH against BASE over the rounds: the median of each
+    side's tokens/s and TTFT p50, and the median of the per-round ratios (round i of
+    one against round i of the other)."""
+    rows = []
+    for i, level in enumerate(r.concurrency for r in runs[path][0]):
+        a = [rs[i] for rs in runs[path]]
+        b = [rs[i] for rs in runs[base]]
+        tps = [x.output_tokens_per_s / y.output_tokens_per_s for x, y in zip(a, b, strict=True)
+               if y.output_tokens_per_s]
+        ttft = [_p50(x) / _p50(y) for x, y in zip(a, b, strict=True) if _p50(y)]
+        rows.append({
+            "concurrency": level,
+            f"{path}_tokens_per_s": statistics.median(x.output_tokens_per_s for x in a),
+            f"{base}_tokens_per_s": statistics.median(y.output_tokens_per_s for y in b),
+            "tps_ratio": statistics.median(tps) if tps else math.nan, "tps_ratios": tps,
+            f"{path}_ttft_p50_s": statistics.median(_p50(x) for x in a),
+            f"{base}_ttft_p50_s": statistics.median(_p50(y) for y in b),
+            "ttft_ratio": statistics.median(ttft) if ttft else math.nan,
+            "errors": sum(x.errors for x in a) + sum(y.errors for y in b),
+        })
+    return rows
+
+
+def check(goal: Goal, rows: list[dict[str, Any]]) -> list[str]:
+    """What of GOAL the rows miss, one line per level ([] when it is met)."""
+    misses = []
+    for row in rows:
+        if goal.levels is not None and row["concurrency"] not in goal.levels:
+            continue
+        c = row["concurrency"]
+        if not row["tps_ratio"] >= goal.min_tps_ratio:  # NaN misses too
+            misses.append(f"c={c}: throughput {row['tps_ratio']:.2f}x of {goal.base} < {goal.min_tps_ratio:.2f}")
+        if goal.max_ttft_ratio is not None and not row["ttft_ratio"] <= goal.max_ttft_ratio:
+            misses.append(f"c={c}: TTFT p50 {row['ttft_ratio']:.2f}x of {goal.base} > {goal.max_ttft_ratio:.2f}")
+        if row["errors"]:
+            misses.append(f"c={c}: {row['errors']} failed request(s)")
+    return misses
