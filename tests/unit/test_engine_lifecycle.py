@@ -69,11 +69,14 @@ class FakeEngine:
         self.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=self.manager))
         self.model_config = SimpleNamespace(max_model_len=64)
         self.generating = threading.Event()
+        self.usage_context: Any = None
         FakeEngine.instances.append(self)
 
     @classmethod
-    def from_engine_args(cls, args: Any, stat_loggers: Any = None) -> FakeEngine:
-        return cls()
+    def from_engine_args(cls, args: Any, usage_context: Any = None, stat_loggers: Any = None) -> FakeEngine:
+        engine = cls()
+        engine.usage_context = usage_context
+        return engine
 
     def get_tokenizer(self) -> FakeTokenizer:
         if FakeEngine.fail_tokenizer:
@@ -256,6 +259,8 @@ def test_an_engine_thread_that_ends_any_other_way_fails_start(fake_vllm: None, m
 def test_a_healthy_start_accepts_and_stops(fake_vllm: None):
     runner, _, _, stops, _ = make_runner()
     assert start_in_thread(runner) == [None]
+    # vLLM's server's scheduler defaults for the device, not the generic 128 sequences.
+    assert FakeEngine.instances[0].usage_context.name == "OPENAI_API_SERVER"
     assert runner.accepting and runner.engine_dead_message() is None
     runner.stop(drain_timeout_s=1)
     assert not runner.accepting and FakeEngine.instances[0].shutdowns == 1 and not stops

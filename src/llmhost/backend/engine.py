@@ -193,12 +193,18 @@ class EngineRunner:
         try:
             # Imported here, inside the try: an install missing one of vLLM's
             # dependencies fails at this import, and must fail the load too.
+            from vllm.usage.usage_lib import UsageContext
             from vllm.v1.engine.async_llm import AsyncLLM
 
             from llmhost.backend.stats import stat_logger_factory
 
             args = build_engine_args(self.config.engine_args)
-            self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self.metrics)])
+            # As vLLM's own server: the usage context picks the scheduler's defaults
+            # (max_num_seqs, max_num_batched_tokens) for the device. The default,
+            # ENGINE_CONTEXT, has none and falls back to 128 sequences and 2,048
+            # batched tokens, where vLLM's server runs 1,024 and 8,192 on an H100.
+            self._engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER,
+                                                     stat_loggers=[stat_logger_factory(self.metrics)])
             self._tokenizer = self._engine.get_tokenizer()
             self._max_model_len = int(self._engine.model_config.max_model_len)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
