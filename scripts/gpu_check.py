@@ -30,14 +30,23 @@ as many); Triton's GPU metrics (nv_gpu_utilization and nv_gpu_memory_used_bytes 
 the GPU's uuid); stop by SIGTERM (no process, no /dev/shm segment, the GPU's memory
 given back).
 
+Tensor parallel (`--tensor-parallel-size N`, N > 1; issue 14 item 3): KIND_MODEL only
+(one engine spans N GPUs; the roles' default kind on profile gpu, and what `llmhost
+placement` requires), the model entry carrying engine_args tensor_parallel_size N as
+an inventory sets it. The host must have N GPUs. One more verdict, "tensor_parallel":
+vLLM's engine config in the log says tensor_parallel_size=N and the memory of each of
+the first N GPUs rose by more than a GiB while serving. NVLink multicast stays off
+(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 unless set).
+
 Usage: python3 scripts/gpu_check.py OUT_DIR [--model qwen3|tiny] [--kinds KIND_GPU,KIND_MODEL]
+       [--tensor-parallel-size N]
 Writes OUT_DIR/result.json (per kind: the numbers and each check's verdict under
 "passed"), serve-kind_gpu.log, serve-kind_model.log, smoke-kind_*.json and
 nvidia-smi.txt: few files, as the lent GPU machine returns at most 8. The work
 directories (model repository, caches) go under --work (default /tmp/gpu-check-work).
 Exit status 0 only if every check passed under every kind. The H100 run of 2026-11-24 is
 in tests/fixtures/gpu/h100-580.159.04-real/device-run-2026-11-24-check/ (its unit test:
-tests/unit/test_gpu_check_run.py).
+tests/unit/test_gpu_check_run.py; the TP mode's: tests/unit/test_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -74,6 +83,10 @@ REGEX = "[0-9]{3}-[a-z]{2}"
 CHOICES = ["red", "green", "blue"]
 PROMPT = "def fibonacci(n):"
 CANCEL_STREAMS, CANCEL_TOKENS = 4, 4000
+# A GPU counts as used by the engine when its memory rose by more than this while serving.
+ENGINE_GPU_MIB = 1024
+# Multi-GPU machines shared with others: NVLink multicast must stay off (KINDS.md).
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 # --- the model ------------------------------------------------------------------------
@@ -114,12 +127,15 @@ def make_model(kind: str, path: Path, seed: int = 0) -> dict[str, Any]:
 
 # --- the two ways of serving ------------------------------------------------------------
 
-def roles_model_entry(model: Path) -> dict[str, Any]:
+def roles_model_entry(model: Path, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """The `model` roles/model_repository renders config.pbtxt.j2 and model.json.j2 with
     (its _model_repository_context) on profile gpu, for an entry that sets only name,
-    path and max_model_len."""
+    path and max_model_len (and, for tensor parallel, engine_args tensor_parallel_size,
+    which the role merges over its own engine arguments)."""
     engine = dict(ROLE_ENGINE_ARGS_GPU)
     engine.update({"served_model_name": NAME, "max_model_len": MAX_MODEL_LEN})
+    if tensor_parallel_size > 1:
+        engine["tensor_parallel_size"] = tensor_parallel_size
     return {"name": NAME, "path": str(model.resolve()), "kind": KIND_MODEL, "instance_count": 1,
             **ROLE_DEFAULTS, "engine_args": engine, "settings": {}, "max_model_len": MAX_MODEL_LEN}
 
@@ -156,8 +172,9 @@ def unit_command(triton: Any, repo: Path, backends: Path, key: str) -> list[str]
 class Server:
     """One serving of the model under KIND; start(), then stop() (SIGTERM) records what is left."""
 
-    def __init__(self, kind: str, model: Path, work: Path, logfile: Path) -> None:
+    def __init__(self, kind: str, model: Path, work: Path, logfile: Path, tensor_parallel_size: int = 1) -> None:
         self.kind, self.model, self.work, self.logfile = kind, model, work / kind.lower(), logfile
+        self.tp = tensor_parallel_size
         self.proc: subprocess.Popen[bytes] | None = None
         self.key = ""
         self.how = ""
@@ -183,7 +200,7 @@ class Server:
 
             triton = TritonInstall.from_pytriton()
             make_backend_dir(self.work / "backends", triton)
-            make_model_dir(self.work / "models", roles_model_entry(self.model))
+            make_model_dir(self.work / "models", roles_model_entry(self.model, self.tp))
             for d in ("tmp", "huggingface", "run"):
                 (self.work / d).mkdir()
             key_file = self.work / "admin-key.env"
@@ -405,11 +422,24 @@ def nvidia_smi(query: str) -> list[str]:
     return [line.strip() for line in p.stdout.splitlines() if line.strip()]
 
 
-def check_kind(kind: str, model: Path, work: Path, out: Path, uuids: list[str]) -> dict[str, Any]:
-    res: dict[str, Any] = {}
+def engine_tensor_parallel_size(log_text: str) -> int | None:
+    """tensor_parallel_size of the last engine vLLM started, from its config line in the log."""
+    found = re.findall(r"Initializing a V1 LLM engine .*?tensor_parallel_size=(\d+)", log_text)
+    return int(found[-1]) if found else None
+
+
+def engine_gpus(before_mib: list[int], serving_mib: list[int]) -> list[int]:
+    """The GPUs (nvidia-smi's order) whose memory rose by more than ENGINE_GPU_MIB while serving."""
+    return [i for i, (b, s) in enumerate(zip(before_mib, serving_mib, strict=True)) if s - b > ENGINE_GPU_MIB]
+
+
+def check_kind(kind: str, model: Path, work: Path, out: Path, uuids: list[str],
+               tensor_parallel_size: int = 1) -> dict[str, Any]:
+    res: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size}
     shm_before = set(os.listdir("/dev/shm"))
     res["gpu_memory_used_mib_before"] = [int(x) for x in nvidia_smi("gpu=memory.used")]
-    server = Server(kind, model, work, out / f"serve-{kind.lower()}.log")
+    logfile = out / f"serve-{kind.lower()}.log"
+    server = Server(kind, model, work, logfile, tensor_parallel_size)
     t0 = time.monotonic()
     try:
         server.start()
@@ -430,6 +460,11 @@ def check_kind(kind: str, model: Path, work: Path, out: Path, uuids: list[str]) 
             res["gpu_metrics"] = gpu_metrics(uuids)
             log(f"{kind}: gpu metrics {res['gpu_metrics']}")
             res["gpu_memory_used_mib_serving"] = [int(x) for x in nvidia_smi("gpu=memory.used")]
+            res["engine_gpus"] = engine_gpus(res["gpu_memory_used_mib_before"], res["gpu_memory_used_mib_serving"])
+            res["engine_tensor_parallel_size"] = engine_tensor_parallel_size(
+                logfile.read_text(errors="replace") if logfile.exists() else "")
+            log(f"{kind}: engine on GPUs {res['engine_gpus']}, "
+                f"tensor_parallel_size {res['engine_tensor_parallel_size']}")
     except Exception as exc:  # noqa: BLE001 - recorded; the stop below still runs
         res["exception"] = f"{type(exc).__name__}: {exc}"
         log(f"{kind}: {res['exception']}")
@@ -451,6 +486,11 @@ def passed(res: dict[str, Any]) -> dict[str, bool]:
     cancel = res.get("cancellation", {})
     stop = res.get("stop", {})
     groups = res.get("loaded_config", {}).get("instance_group", [])
+    tp = res.get("tensor_parallel_size", 1)
+    extra = {} if tp == 1 else {
+        "tensor_parallel": res.get("engine_tensor_parallel_size") == tp
+        and set(range(tp)) <= set(res.get("engine_gpus", [])),
+    }
     return {
         "served": res.get("ready_s") is not None and bool(groups) and all(g["kind"] == want for g in groups),
         "smoke": res.get("smoke", {}).get("rc") == 0,
@@ -464,16 +504,37 @@ def passed(res: dict[str, Any]) -> dict[str, bool]:
         "gpu_metrics": bool(res.get("gpu_metrics", {}).get("every_gpu")),
         "stop": stop.get("rc") == 0 and stop.get("processes_left") == []
         and stop.get("shm_left") == [],
+        **extra,
     }
+
+
+def check_tensor_parallel(tp: int, kinds: list[str]) -> str | None:
+    """Why this tensor parallel size cannot be checked with these kinds, or None."""
+    if tp < 1:
+        return f"--tensor-parallel-size must be >= 1, got {tp}"
+    if tp > 1 and kinds != [KIND_MODEL]:
+        return (f"--tensor-parallel-size {tp} needs --kinds {KIND_MODEL} alone: one vLLM engine spans {tp} GPUs "
+                f"and KIND_GPU pins each instance to one (the backend refuses it), got {','.join(kinds)}")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--model", choices=("qwen3", "tiny"), default="qwen3")
-    ap.add_argument("--kinds", default=f"{KIND_GPU},{KIND_MODEL}")
+    ap.add_argument("--kinds", default=None, help=f"default {KIND_GPU},{KIND_MODEL}; {KIND_MODEL} when "
+                    "--tensor-parallel-size > 1")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N")
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-check-work"))
     args = ap.parse_args(argv)
+    tp = args.tensor_parallel_size
+    kinds = (args.kinds or (KIND_MODEL if tp > 1 else f"{KIND_GPU},{KIND_MODEL}")).split(",")
+    why = check_tensor_parallel(tp, kinds)
+    if why:
+        ap.error(why)
+    if tp > 1:
+        for k, v in NO_MULTICAST.items():
+            os.environ.setdefault(k, v)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -483,7 +544,14 @@ def main(argv: list[str] | None = None) -> int:
     (out / "nvidia-smi.txt").write_text(smi)
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "vllm": vllm.__version__,
                            "gpu": ", ".join(nvidia_smi("gpu=name,driver_version")),
-                           "uuids": nvidia_smi("gpu=uuid"), "checker_pid": os.getpid(), "kinds": {}}
+                           "uuids": nvidia_smi("gpu=uuid"), "checker_pid": os.getpid(),
+                           "tensor_parallel_size": tp, "kinds": {}}
+    if tp > 1:
+        res["no_multicast"] = {k: os.environ.get(k) for k in NO_MULTICAST}
+    if len(res["uuids"]) < tp:
+        print(f"gpu_check: --tensor-parallel-size {tp} needs {tp} GPUs, nvidia-smi lists {len(res['uuids'])}",
+              file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     model = Path(f"/tmp/lh-{args.model}")
     # In a child process: CUDA memory this process took would stay held until it exits.
@@ -498,8 +566,8 @@ def main(argv: list[str] | None = None) -> int:
                     "made_in_s": round(time.monotonic() - t0, 1)}
     log(f"model: {res['model']}")
     try:
-        for kind in args.kinds.split(","):
-            res["kinds"][kind] = check_kind(kind, model, args.work, out, res["uuids"])
+        for kind in kinds:
+            res["kinds"][kind] = check_kind(kind, model, args.work, out, res["uuids"], tp)
             (out / "result.json").write_text(json.dumps(res, indent=2) + "\n")
     finally:
         res["all_passed"] = bool(res["kinds"]) and all(all(k["passed"].values()) for k in res["kinds"].values()
