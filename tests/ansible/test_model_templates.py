@@ -21,6 +21,31 @@ MODEL = {"name": "tiny", "path": "/srv/weights/tiny", "kind": "KIND_CPU", "insta
          "settings": {"stream_interval_ms": 5, "response_threads": 2}}
 
 
+# A model over two GPUs of a GPU host (the roles' default kind there).
+TP2 = {**MODEL, "name": "big", "kind": "KIND_MODEL", "gpus": [2, 3], "settings": {},
+       "engine_args": {"tensor_parallel_size": 2, "served_model_name": "big"}}
+
+
+@pytest.mark.parametrize("template", ["model.json.j2", "config.pbtxt.j2"])
+def test_a_kind_model_models_gpus_reach_the_backend_not_triton(template: str, tmp_path: Path) -> None:
+    out = tmp_path / template.removesuffix(".j2")
+    src = Path(__file__).resolve().parents[2] / "src" / "llmhost" / "templates" / template
+    play = [{"hosts": "localhost", "gather_facts": False, "connection": "local",
+             "vars": {"ansible_python_interpreter": sys.executable},
+             "tasks": [{"name": "Render", "ansible.builtin.template": {"src": str(src), "dest": str(out),
+                                                                   "trim_blocks": False},
+                        "vars": {"model": TP2}}]}]
+    book = tmp_path / "render.yml"
+    book.write_text(yaml.safe_dump(play))
+    run = ansible_playbook("-i", "localhost,", str(book))
+    assert run.rc == 0, run.output
+    assert out.read_text() == render(template, model=TP2)
+    if template == "model.json.j2":
+        assert json.loads(out.read_text())["llmhost"]["visible_gpus"] == "2,3"
+    else:
+        assert "kind: KIND_MODEL" in out.read_text() and "gpus:" not in out.read_text()
+
+
 @pytest.mark.parametrize("template", ["model.json.j2", "config.pbtxt.j2"])
 def test_ansible_renders_what_serve_renders_without_warnings(template: str, tmp_path: Path) -> None:
     out = tmp_path / template.removesuffix(".j2")

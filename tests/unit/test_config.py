@@ -64,3 +64,14 @@ def test_engine_args_unknown_key_and_nested_config():
     assert args.disable_log_stats is True  # our server default
     with pytest.raises(ConfigError, match="bad 'structured_outputs_config'"):
         build_engine_args({"model": "/m", "structured_outputs_config": {"nope": 1}})
+
+
+@pytest.mark.parametrize("value", ["", "0", "2,3", "0,1,2,3"])
+def test_visible_gpus_takes_cuda_visible_devices_lists(value: str):
+    assert parse_model_config({"model": "m", "llmhost": {"visible_gpus": value}}).settings.visible_gpus == value
+
+
+@pytest.mark.parametrize("value", ["a", "2,", ",2", "2 3", 3, None, ["2", "3"]])
+def test_visible_gpus_refuses_anything_else_naming_the_setting(value: object):
+    with pytest.raises(ConfigError, match=r"llmhost.visible_gpus must be GPU ids separated by commas"):
+        parse_model_config({"model": "m", "llmhost": {"visible_gpus": value}})

@@ -94,11 +94,12 @@ def fake_pb() -> Iterator[None]:
     del sys.modules[mod.__name__]
 
 
-def _model(engine_args: dict) -> object:
+def _model(engine_args: dict, visible_gpus: str = "") -> object:
     from llmhost.backend.model import TritonPythonModel
 
     m = TritonPythonModel()
-    m.config = SimpleNamespace(engine_args=engine_args)  # type: ignore[attr-defined]
+    m.config = SimpleNamespace(engine_args=engine_args,  # type: ignore[attr-defined]
+                               settings=SimpleNamespace(visible_gpus=visible_gpus))
     return m
 
 
@@ -120,6 +121,15 @@ def test_backend_pins_a_kind_gpu_instance_to_its_device(fake_pb, monkeypatch):
     _model({"tensor_parallel_size": 1})._apply_placement({"model_instance_kind": "GPU",
                                                           "model_instance_device_id": "1"})
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_backend_gives_a_kind_model_engine_the_models_own_gpus(fake_pb, monkeypatch):
+    """The roles write a KIND_MODEL model's `gpus` as visible_gpus: two TP=2 models on a
+    4-GPU host get GPUs 0,1 and 2,3, not both the first two."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    _model({"tensor_parallel_size": 2}, "2,3")._apply_placement({"model_instance_kind": "MODEL",
+                                                                 "model_instance_device_id": "0"})
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
 
 
 @pytest.mark.parametrize("kind", ["MODEL", "CPU"])

@@ -8,6 +8,7 @@ belong to this backend (defaults that vLLM gets wrong for a server, limits, drai
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,10 @@ class BackendSettings:
     # the model only answers errors (and Triton still calls it ready) until the
     # server is restarted by hand; for a server whose other models must not restart.
     exit_server_on_engine_death: bool = True
+    # The GPUs (CUDA_VISIBLE_DEVICES, e.g. "2,3") of a model served KIND_MODEL, set
+    # before vLLM starts; the roles write the model's `gpus` here. "": the server's.
+    # Under KIND_GPU Triton pins each instance to one GPU itself.
+    visible_gpus: str = ""
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ class ModelConfig:
 
 # Upper bounds where a larger value is surely a mistake (a typo of units, a runaway thread count).
 MAXIMA: dict[str, float] = {"response_threads": 64, "stream_interval_ms": 1000.0, "tokenizer_threads": 64}
+# visible_gpus: "" or GPU ids separated by commas.
+_GPU_LIST = re.compile(r"(?:\d+(?:,\d+)*)?")
 # Integer settings whose smallest value is not 1.
 MINIMA: dict[str, int] = {"max_prompt_bytes": 0}
 
@@ -79,6 +86,11 @@ def _check_setting(name: str, value: Any, default: Any) -> Any:
 
 
 def _check_type(name: str, value: Any, default: Any) -> Any:
+    if isinstance(default, str):
+        if not isinstance(value, str) or not _GPU_LIST.fullmatch(value):
+            raise ConfigError(f"model.json: llmhost.{name} must be GPU ids separated by commas "
+                              f"(e.g. \"2,3\") or \"\", got {value!r}")
+        return value
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"model.json: llmhost.{name} must be true or false, got {value!r}")

@@ -361,6 +361,8 @@ class TritonPythonModel:
                            f"stream interval {self.config.settings.stream_interval_ms:g} ms)")
 
     def _apply_placement(self, args: dict[str, Any]) -> None:
+        import os
+
         kind = args.get("model_instance_kind", "CPU")
         tp = int(self.config.engine_args.get("tensor_parallel_size", 1))
         pp = int(self.config.engine_args.get("pipeline_parallel_size", 1))
@@ -369,9 +371,12 @@ class TritonPythonModel:
                 raise _pb().TritonModelException(
                     f"tensor_parallel_size x pipeline_parallel_size = {tp * pp}: use instance_group kind "
                     "KIND_MODEL for a model spanning several GPUs (KIND_GPU pins one GPU per instance)")
-            import os
-
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args.get("model_instance_device_id", "0"))
+        elif kind == "MODEL" and self.config.settings.visible_gpus:
+            # The model's own GPUs (the stub is this model's process alone): vLLM's
+            # engine and workers inherit them. Without, two models would both take
+            # the first GPUs the server sees.
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.config.settings.visible_gpus
 
     def _stop_server_when_sent(self, log: Any) -> bool:
         """After the engine died: stop tritonserver only once the errors of the
