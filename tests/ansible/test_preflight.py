@@ -187,7 +187,7 @@ EXPECTED = {
 MATRIX_INDEXES = {"llmhost_profile": "gpu", "python_env_torch_index_url": ""}
 
 
-def python_choice(smi_text: str, minor_compat: bool = False) -> tuple[str, str]:
+def python_choice(smi_text: str, minor_compat: bool = False, vllm: str | None = None) -> tuple[str, str]:
     """What llmhost.cuda chooses for this nvidia-smi output, as (outcome, text the role must print):
     ("cu130", "build cu130 (...): <pip step 1 arguments> then"), ("driver_too_old", message) or
     ("no_driver", message)."""
@@ -195,7 +195,7 @@ def python_choice(smi_text: str, minor_compat: bool = False) -> tuple[str, str]:
         driver, cuda_version = parse_smi_header(smi_text)
         if cuda_version is None:
             raise NoDriverError(f"driver {driver} reports no CUDA version")
-        m = choose(cuda_version, driver, MATRIX, minor_compat=minor_compat)
+        m = choose(cuda_version, driver, MATRIX, vllm=vllm, minor_compat=minor_compat)
     except NoDriverError as exc:
         return "no_driver", str(exc).rstrip(".")
     except DriverTooOldError as exc:
@@ -312,3 +312,67 @@ def test_profile_gpu_with_pinned_packages_skips_the_cuda_table(tmp_path: Path) -
     run = preflight({"llmhost_profile": "gpu", "python_env_nvidia_smi": smi, "python_env_gpu_packages": pins})
     assert run.rc == 0, run.output
     assert "vllm==0.32.0+cu118 torch==2.13.0+cu118" in run.output
+
+
+# -- profile gpu: python_env_vllm_version picks the matrix's release -------------------
+
+RELEASE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    # name: (fixture, overrides); each release of the matrix on a cu130 and a cu129 host
+    **{f"{vllm} {fixture.split('-')[0]}": (fixture, {"python_env_vllm_version": vllm})
+       for vllm in sorted(MATRIX.releases)
+       for fixture in ("h100-580.159.04-real", "rtx6000ada-575.57.08-constructed")},
+    "0.20.2 driver too old": ("l40s-570.172.08-constructed", {"python_env_vllm_version": "0.20.2"}),
+    "0.20.2 with its torch": (
+        "h100-580.159.04-real",
+        {"python_env_vllm_version": "0.20.2", "python_env_torch_version": "2.11.0"},
+    ),
+    "0.20.2 with the default's torch": (
+        "h100-580.159.04-real",
+        {"python_env_vllm_version": "0.20.2", "python_env_torch_version": "2.13.0"},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def release_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
+    return fixture_preflights(tmp_path_factory.mktemp("release"), RELEASE_CASES)
+
+
+def test_both_releases_are_in_the_matrix() -> None:
+    assert MATRIX.default_vllm == "0.32.0" and {"0.32.0", "0.20.2"} <= set(MATRIX.releases)
+
+
+@pytest.mark.parametrize("name", [n for n in RELEASE_CASES if "torch" not in n])
+def test_role_installs_the_chosen_release(release_runs: dict[str, PlaybookRun], name: str) -> None:
+    fixture, override = RELEASE_CASES[name]
+    vllm = override["python_env_vllm_version"]
+    outcome, text = python_choice((GPU_FIXTURES / fixture / "nvidia-smi.txt").read_text(), vllm=vllm)
+    run = release_runs[name]
+    if outcome == "driver_too_old":
+        assert f"vLLM {vllm} (torch {MATRIX.release(vllm).torch})" in text
+        assert_fails_naming(run, text, "python_env_gpu_packages")
+        return
+    assert run.rc == 0, run.output
+    assert text in unwrap(run.output), run.output
+    assert f"vllm=={vllm}" in text and f"torch=={MATRIX.release(vllm).torch}+{outcome}" in text
+
+
+def test_vllm_0_20_2_on_the_real_h100_gets_torch_2_11(release_runs: dict[str, PlaybookRun]) -> None:
+    """What the lent GPU machine's image has: torch 2.11.0+cu130 beside vLLM 0.20.2."""
+    assert (
+        "driver 580.159.04, CUDA 13.0, build cu130 (CUDA 13.0, driver >= 580.65.06, native): "
+        "--extra-index-url=https://download.pytorch.org/whl/cu130 "
+        "vllm==0.20.2 torch==2.11.0+cu130 torchvision==0.26.0+cu130 torchaudio==2.11.0+cu130 then"
+    ) in unwrap(release_runs["0.20.2 h100"].output)
+    assert (
+        "build cu129 (CUDA 12.9, driver >= 575.51.03, native): "
+        "--extra-index-url=https://wheels.vllm.ai/0.20.2/cu129 "
+        "--extra-index-url=https://download.pytorch.org/whl/cu129 "
+        "vllm==0.20.2+cu129 torch==2.11.0+cu129"
+    ) in unwrap(release_runs["0.20.2 rtx6000ada"].output)
+
+
+def test_torch_version_is_checked_against_the_chosen_release(release_runs: dict[str, PlaybookRun]) -> None:
+    assert release_runs["0.20.2 with its torch"].rc == 0, release_runs["0.20.2 with its torch"].output
+    assert_fails_naming(release_runs["0.20.2 with the default's torch"], "python_env_torch_version is 2.13.0",
+                        "pins torch 2.11.0 for vLLM 0.20.2")

@@ -39,6 +39,15 @@ FIX = REPO / "tests" / "fixtures" / "gpu"
 H100 = FIX / "h100-580.159.04-real"
 MATRIX_FILE = REPO / "src" / "llmhost" / "data" / "cuda_matrix.json"
 
+# The vLLM releases of the matrix and the pins each one's wheel metadata gives
+# (Requires-Dist torch==, torchvision==, torchaudio==); the default stays 0.32.0,
+# 0.20.2 is the release that runs on torch 2.11 (the lent GPU machine's image).
+DEFAULT_VLLM = "0.32.0"
+RELEASES = {
+    "0.32.0": {"torch": "2.13.0", "torchvision": "0.28.0", "torchaudio": "2.11.0"},
+    "0.20.2": {"torch": "2.11.0", "torchvision": "0.26.0", "torchaudio": "2.11.0"},
+}
+
 # folder -> (driver, CUDA, GPU count, compute capability of GPU 0)
 HOSTS = {
     "h100-580.159.04-real": ("580.159.04", "13.0", 1, "9.0"),
@@ -246,13 +255,17 @@ def test_cuda_version_from_nvml_int():
     ("12.2", "535.247.01", True, ("cu129", "minor_version_compat")),
     ("13.0", None, False, ("cu130", "native")),             # only the CUDA version known
 ])
+@pytest.mark.parametrize("vllm", [None, *RELEASES])
 def test_choose(matrix: cuda.Matrix, cuda_version: str, driver: str | None, minor_compat: bool,
-                expected: tuple[str, str]):
-    m = choose(cuda_version, driver, matrix, minor_compat=minor_compat)
+                expected: tuple[str, str], vllm: str | None):
+    m = choose(cuda_version, driver, matrix, vllm=vllm, minor_compat=minor_compat)
     assert (m.tag, m.via) == expected
-    assert m.vllm == "0.32.0" and m.torch == "2.13.0"
+    pins = RELEASES[vllm or DEFAULT_VLLM]
+    assert m.vllm == (vllm or DEFAULT_VLLM) and m.torch == pins["torch"]
     assert m.torch_index_url == f"https://download.pytorch.org/whl/{m.tag}"
-    assert f"torch==2.13.0+{m.tag}" in m.packages
+    assert f"torch=={pins['torch']}+{m.tag}" in m.packages
+    assert f"torchvision=={pins['torchvision']}+{m.tag}" in m.packages
+    assert m.packages[0] in (f"vllm=={m.vllm}", f"vllm=={m.vllm}+{m.tag}")
     assert m.extra_index_urls[-1] == m.torch_index_url
 
 
@@ -263,14 +276,15 @@ def test_choose(matrix: cuda.Matrix, cuda_version: str, driver: str | None, mino
     ("11.4", "470.256.02", True, "525.60.13"),
     ("12.9", "575.0", False, "575.51.03"),  # an inconsistent pair: the driver number wins
 ])
+@pytest.mark.parametrize("vllm", list(RELEASES))
 def test_too_old_names_the_minimum_driver(matrix: cuda.Matrix, cuda_version: str, driver: str,
-                                          minor_compat: bool, min_driver: str):
+                                          minor_compat: bool, min_driver: str, vllm: str):
     with pytest.raises(DriverTooOldError) as exc:
-        choose(cuda_version, driver, matrix, minor_compat=minor_compat)
+        choose(cuda_version, driver, matrix, vllm=vllm, minor_compat=minor_compat)
     assert exc.value.min_driver == min_driver
     msg = str(exc.value)
     assert f">= {min_driver}" in msg and f"NVIDIA driver {driver} supports CUDA {cuda_version}" in msg
-    assert "vLLM 0.32.0" in msg and "cu130" in msg and "cu129" in msg
+    assert f"vLLM {vllm} (torch {RELEASES[vllm]['torch']})" in msg and "cu130" in msg and "cu129" in msg
 
 
 def test_choose_rejects_bad_input(matrix: cuda.Matrix):
@@ -282,14 +296,39 @@ def test_choose_rejects_bad_input(matrix: cuda.Matrix):
         choose("13.0", "580.159.04", matrix, vllm="0.1.0")
 
 
+@pytest.mark.parametrize("vllm", ["0.1.0", "0.20", "0.20.2+cu129", "0.31.0"])
+def test_unknown_release_names_the_releases_the_matrix_has(matrix: cuda.Matrix, vllm: str):
+    """Only exact releases of the matrix are selectable; the error lists them."""
+    with pytest.raises(MatrixError) as exc:
+        matrix.release(vllm)
+    assert str(exc.value) == f"the CUDA matrix has no vLLM {vllm} (it has: 0.20.2, 0.32.0)"
+
+
+def test_default_release_stays_and_the_other_is_selectable(matrix: cuda.Matrix):
+    assert sorted(matrix.releases) == sorted(RELEASES)
+    assert matrix.default_vllm == DEFAULT_VLLM and matrix.release().vllm == DEFAULT_VLLM
+    assert matrix.release("0.20.2").vllm == "0.20.2" and matrix.release("0.20.2").torch == "2.11.0"
+    assert matrix.release(None) is matrix.release(DEFAULT_VLLM)
+
+
 def test_matrix_file_pins_agree_with_the_project(matrix: cuda.Matrix):
-    data = json.loads(MATRIX_FILE.read_text())
     release = matrix.release()
-    assert release.vllm == "0.32.0" and release.torch == "2.13.0"
+    assert release.vllm == DEFAULT_VLLM and release.torch == "2.13.0"
     pyproject = (REPO / "pyproject.toml").read_text()
     assert f'gpu = ["vllm=={release.vllm}"]' in pyproject
-    raw = data["releases"][release.vllm]
+
+
+@pytest.mark.parametrize("vllm", list(RELEASES))
+def test_matrix_file_pins_of_each_release(matrix: cuda.Matrix, vllm: str):
+    data = json.loads(MATRIX_FILE.read_text())
+    release = matrix.release(vllm)
+    raw = data["releases"][vllm]
+    assert {k: raw[k] for k in ("torch", "torchvision", "torchaudio")} == RELEASES[vllm]
+    assert release.torch == RELEASES[vllm]["torch"]
     assert raw["sources"] and all(v["sources"] and v["verified"] for v in raw["variants"])
+    # The wheel metadata the pins come from is named in the sources.
+    assert any(f"vllm {vllm} wheel metadata" in s and f"torch=={raw['torch']}" in s
+               and f"torchvision=={raw['torchvision']}" in s for s in raw["sources"])
     # CUDA toolkit GA driver rows (NVIDIA CUDA Toolkit release notes, Linux x86_64):
     # these are the drivers whose nvidia-smi reports at least that CUDA version.
     ga_rows = {"13.0": "580.65.06", "12.9": "575.51.03"}
@@ -305,7 +344,27 @@ def test_matrix_file_pins_agree_with_the_project(matrix: cuda.Matrix):
         assert pins["torch"] == f"{raw['torch']}+{v.tag}"
         assert pins["torchvision"] == f"{raw['torchvision']}+{v.tag}"
         assert pins["torchaudio"] == f"{raw['torchaudio']}+{v.tag}"
+        # vLLM's +cuXYZ builds come from that release's own variant index.
+        assert v.vllm_index_url in (None, f"https://wheels.vllm.ai/{vllm}/{v.tag}")
     assert [v.cuda for v in release.variants] == ["13.0", "12.9"]  # newest first
+    # The default (unsuffixed) wheel on the package index is the CUDA 13.0 build.
+    assert release.variants[0].vllm_index_url is None and release.variants[0].packages[0] == f"vllm=={vllm}"
+
+
+def test_vllm_0_20_2_pins_as_its_wheel_says(matrix: cuda.Matrix):
+    """vLLM 0.20.2's wheel metadata pins torch 2.11.0, torchvision 0.26.0 and torchaudio 2.11.0;
+    its default wheel links libcudart.so.13; its only other CUDA build is +cu129."""
+    data = json.loads(MATRIX_FILE.read_text())["releases"]["0.20.2"]
+    cu130, cu129 = matrix.release("0.20.2").variants
+    assert cu130.packages == ("vllm==0.20.2", "torch==2.11.0+cu130", "torchvision==0.26.0+cu130",
+                              "torchaudio==2.11.0+cu130")
+    assert cu129.packages == ("vllm==0.20.2+cu129", "torch==2.11.0+cu129", "torchvision==0.26.0+cu129",
+                              "torchaudio==2.11.0+cu129")
+    assert (cu130.vllm_index_url, cu129.vllm_index_url) == (None, "https://wheels.vllm.ai/0.20.2/cu129")
+    assert data["python"] == ">=3.10,<3.15"
+    assert [v["cuda_runtime"] for v in data["variants"]] == ["13.0.2", "12.9"]
+    assert any("NEEDED libcudart.so.13" in s for s in data["sources"])
+    assert any("no cu126, cu128 or +cu130 build" in s for s in data["sources"])
 
 
 def test_malformed_matrix_is_refused():
@@ -317,6 +376,14 @@ def test_malformed_matrix_is_refused():
     bad = json.loads(json.dumps(good))
     bad["default_vllm"] = "9.9.9"
     with pytest.raises(MatrixError):
+        parse_matrix(bad)
+    bad = json.loads(json.dumps(good))  # a release other than the default is checked too
+    bad["releases"]["0.20.2"]["variants"][1]["tag"] = "cu12.9"
+    with pytest.raises(MatrixError, match=r"cu12\.9"):
+        parse_matrix(bad)
+    bad = json.loads(json.dumps(good))
+    del bad["releases"]["0.20.2"]["torch"]
+    with pytest.raises(MatrixError, match="malformed"):
         parse_matrix(bad)
     with pytest.raises(MatrixError, match="cannot read"):
         load_matrix(Path("/nonexistent/cuda_matrix.json"))
@@ -363,14 +430,42 @@ def test_gpu_info_given_versions_and_minor_compat(capsys: pytest.CaptureFixture[
     assert cuda.main_gpu_info(["--cuda-version", "13.0", "--vllm", "0.0.1"]) == 2
 
 
-def test_runs_as_a_plain_script_without_site_packages():
+@pytest.mark.parametrize("host,code,tag", [
+    ("h100-580.159.04-real", 0, "cu130"),
+    ("rtx6000ada-575.57.08-constructed", 0, "cu129"),
+    ("l40s-570.172.08-constructed", 4, None),
+])
+def test_gpu_info_for_vllm_0_20_2(capsys: pytest.CaptureFixture[str], host: str, code: int, tag: str | None):
+    assert cuda.main_gpu_info(["--from-dir", str(FIX / host), "--vllm", "0.20.2", "--compact"]) == code
+    report = json.loads(capsys.readouterr().out)
+    assert report["vllm"] == "0.20.2"
+    if tag is None:
+        assert report["status"] == "driver_too_old" and "vLLM 0.20.2 (torch 2.11.0)" in report["error"]
+        return
+    match = report["match"]
+    assert (match["tag"], match["vllm"], match["torch"]) == (tag, "0.20.2", "2.11.0")
+    assert f"torch==2.11.0+{tag}" in match["packages"]
+    if tag == "cu129":
+        assert match["extra_index_urls"] == ["https://wheels.vllm.ai/0.20.2/cu129",
+                                             "https://download.pytorch.org/whl/cu129"]
+
+
+def test_gpu_info_unknown_release_says_which_exist(capsys: pytest.CaptureFixture[str]):
+    assert cuda.main_gpu_info(["--cuda-version", "13.0", "--vllm", "0.21.0"]) == 2
+    err = capsys.readouterr().err
+    assert "the CUDA matrix has no vLLM 0.21.0 (it has: 0.20.2, 0.32.0)" in err
+
+
+@pytest.mark.parametrize("vllm", [None, "0.20.2"])
+def test_runs_as_a_plain_script_without_site_packages(vllm: str | None):
     """The roles run cuda.py with the target's python3 before any venv exists."""
     proc = subprocess.run(
         [sys.executable, "-I", "-S", str(REPO / "src" / "llmhost" / "cuda.py"),
-         "--matrix-json", MATRIX_FILE.read_text(), "--from-dir", str(H100), "--compact"],
+         "--matrix-json", MATRIX_FILE.read_text(), "--from-dir", str(H100), "--compact",
+         *(["--vllm", vllm] if vllm else [])],
         capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["match"]["packages"][0] == "vllm==0.32.0"
+    assert json.loads(proc.stdout)["match"]["packages"][0] == f"vllm=={vllm or DEFAULT_VLLM}"
 
 
 def test_constructed_fixtures_follow_the_real_format():
@@ -444,3 +539,17 @@ def test_device_run_role_preflights_on_the_real_h100():
         assert " ".join(match.packages) in flat, name
         assert ("datacenter-gpu-manager-4-core datacenter-gpu-manager-4-cuda13 datacenter-gpu-manager-exporter "
                 "from https://developer.download.nvidia.com/compute/cuda/repos/ubuntu2404/x86_64/") in flat, name
+
+
+def test_recorded_gpu_runs_used_a_release_of_the_matrix(matrix: cuda.Matrix):
+    """The serving runs on the lent H100 used vLLM 0.20.2 on the image's torch 2.11.0+cu130
+    (../shared RECIPES.md): the matrix has that release, and for that host's nvidia-smi it
+    chooses exactly that torch build."""
+    runs = sorted(H100.glob("device-run-*/result.json"))
+    used = {json.loads(p.read_text()).get("vllm") for p in runs} - {None}
+    assert "0.20.2" in used and used <= set(matrix.releases), runs
+    info = detect_from_dir(H100)
+    assert info.cuda_version is not None
+    m = choose(info.cuda_version, info.driver_version, matrix, vllm="0.20.2")
+    assert (m.tag, m.via) == ("cu130", "native")
+    assert "torch==2.11.0+cu130" in m.packages and m.packages[0] == "vllm==0.20.2"
