@@ -4,12 +4,19 @@ Targets: our Triton endpoint over HTTP SSE (`/generate_stream`) or gRPC streamin
 and any OpenAI-compatible server (`/v1/completions`, e.g. vLLM's own) for
 side-by-side runs. Output tokens are counted from what the server reports
 (`num_output_tokens`, or OpenAI's `usage.completion_tokens`), never from events.
+
+`processes` > 1 spreads each level's concurrency over that many client processes
+(one asyncio loop each), so that one Python process's CPU does not cap what a fast
+server can be shown to do; they start each level together and their samples are
+merged (`merge_parts`). Each level records the client's CPU seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
 import random
 import statistics
 import sys
@@ -69,6 +76,25 @@ class LevelResult:
     itl_s: dict[str, float] = field(default_factory=dict)
     e2e_s: dict[str, float] = field(default_factory=dict)
     first_error: str = ""
+    # CPU seconds (user + system) the client's processes used during the level, and
+    # how many processes ran it.
+    client_cpu_s: float = 0.0
+    client_processes: int = 1
+    # The busiest client process's CPU seconds (near duration_s: that process was the limit).
+    client_cpu_max_s: float = 0.0
+    # When the level started (seconds since the epoch), to line it up with other samples.
+    started_at: float = 0.0
+
+
+@dataclass
+class LevelPart:
+    """One client process's share of a level: its samples and its own clock and CPU."""
+
+    concurrency: int
+    samples: list[Sample]
+    elapsed_s: float
+    cpu_s: float
+    started_at: float = 0.0
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -195,11 +221,14 @@ class Target:
         return Sample(ok=tokens > 0, ttft=ttft, e2e=time.perf_counter() - t0, tokens=tokens)
 
 
-async def run_level(target: Target, workload: Workload, concurrency: int, progress: bool = True) -> LevelResult:
+async def run_part(target: Target, workload: Workload, concurrency: int, progress: bool = True) -> LevelPart:
+    """Run CONCURRENCY workers of WORKLOAD against TARGET in this process."""
     total = workload.requests if workload.duration_s is None else 10**9
     items = workload.items(min(total, 100_000))
     samples: list[Sample] = []
     next_index = 0
+    cpu0 = _cpu_s()
+    started_at = time.time()
     t0 = time.perf_counter()
     deadline = t0 + workload.duration_s if workload.duration_s else None
 
@@ -221,20 +250,68 @@ async def run_level(target: Target, workload: Workload, concurrency: int, progre
     elapsed = time.perf_counter() - t0
     if progress:
         print(file=sys.stderr)
+    return LevelPart(concurrency=concurrency, samples=samples, elapsed_s=elapsed, cpu_s=_cpu_s() - cpu0,
+                     started_at=started_at)
+
+
+async def run_level(target: Target, workload: Workload, concurrency: int, progress: bool = True) -> LevelResult:
+    return merge_parts(concurrency, [await run_part(target, workload, concurrency, progress)])
+
+
+def merge_parts(concurrency: int, parts: list[LevelPart]) -> LevelResult:
+    """One level's result from the parts that client processes ran at the same time:
+    requests, errors, tokens/s, requests/s and CPU seconds summed (each part's rate
+    over its own elapsed time), latency percentiles over every part's samples, the
+    level's duration the longest part's. Parts that ran no worker count for nothing."""
+    parts = [p for p in parts if p.concurrency > 0]
+    samples = [s for p in parts for s in p.samples]
     good = [s for s in samples if s.ok]
     errors = [s for s in samples if not s.ok]
+
+    def rate(p: LevelPart, what: str) -> float:
+        ok = [s for s in p.samples if s.ok]
+        n = sum(s.tokens for s in ok) if what == "tokens" else len(ok)
+        return n / p.elapsed_s if p.elapsed_s > 0 else 0.0
+
     return LevelResult(
         concurrency=concurrency,
         requests=len(samples),
         errors=len(errors),
-        duration_s=elapsed,
-        requests_per_s=len(good) / elapsed,
-        output_tokens_per_s=sum(s.tokens for s in good) / elapsed,
+        duration_s=max((p.elapsed_s for p in parts), default=0.0),
+        requests_per_s=sum(rate(p, "requests") for p in parts),
+        output_tokens_per_s=sum(rate(p, "tokens") for p in parts),
         ttft_s=percentiles([s.ttft for s in good]),
         itl_s=percentiles([v for s in good if (v := s.itl) is not None]),
         e2e_s=percentiles([s.e2e for s in good]),
         first_error=errors[0].error if errors else "",
+        client_cpu_s=round(sum(p.cpu_s for p in parts), 3),
+        client_processes=len(parts),
+        client_cpu_max_s=round(max((p.cpu_s for p in parts), default=0.0), 3),
+        started_at=min((p.started_at for p in parts), default=0.0),
     )
+
+
+def shares(total: int, n: int) -> list[int]:
+    """TOTAL split over N as evenly as possible, the larger shares first."""
+    return [total // n + (1 if i < total % n else 0) for i in range(n)]
+
+
+def part_workload(workload: Workload, index: int, offset: int, share: int, concurrency: int) -> Workload:
+    """Client process INDEX's workload when it runs workers [OFFSET, OFFSET + SHARE)
+    of CONCURRENCY: the same lengths and duration, prompts of its own (seed + index, so
+    the processes do not send the same prompts at once) and, in request-count mode,
+    its workers' part of the requests."""
+    from dataclasses import replace
+
+    requests = workload.requests
+    if workload.duration_s is None:
+        requests = sum(shares(workload.requests, concurrency)[offset:offset + share])
+    return replace(workload, seed=workload.seed + index, requests=requests)
+
+
+def _cpu_s() -> float:
+    """This process's CPU seconds, all threads, user + system (nanosecond clock)."""
+    return time.process_time()
 
 
 def _progress(concurrency: int, done: int, total: int | None, elapsed: float) -> None:
@@ -253,6 +330,91 @@ async def sweep(target: Target, workload: Workload, levels: list[int], progress:
         # One short warm-up request so the first level does not pay for it.
         await target.one("def warm_up():", 4, True)
         return [await run_level(target, workload, c, progress) for c in levels]
+    finally:
+        await target.close()
+
+
+def sweep_processes(spec: dict[str, Any], workload: Workload, levels: list[int], processes: int,
+                    progress: bool = True) -> tuple[list[LevelResult], float]:
+    """The sweep run by PROCESSES client processes, each level's concurrency shared
+    out (`shares`) and started by all of them together; SPEC holds `Target`'s
+    arguments. Returns the merged levels and the CPU seconds of the whole client (this
+    process and its children, start-up included). One process: `sweep` in this one."""
+    cpu0 = _cpu_s() + _children_cpu_s()
+    if processes <= 1:
+        results = asyncio.run(sweep(Target(**spec), workload, levels, progress))
+        return results, round(_cpu_s() + _children_cpu_s() - cpu0, 3)
+    import queue as queue_mod
+
+    ctx = multiprocessing.get_context("spawn")  # no inherited threads or event loops
+    barrier = ctx.Barrier(processes)
+    results_q = ctx.Queue()
+    procs = [ctx.Process(target=_client_main, name=f"bench-client-{i}", daemon=True,
+                         args=(i, processes, spec, workload, levels, barrier, results_q))
+             for i in range(processes)]
+    for proc in procs:
+        proc.start()
+    got: dict[int, list[LevelPart] | str] = {}
+    try:
+        while len(got) < processes:
+            try:
+                i, parts = results_q.get(timeout=1.0)
+                got[i] = parts
+            except queue_mod.Empty:
+                dead = [p.name for k, p in enumerate(procs) if k not in got and p.exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"client process(es) {', '.join(dead)} exited without results") from None
+        for proc in procs:
+            proc.join(timeout=30)
+    finally:
+        barrier.abort()  # frees any process still waiting for a level
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+    failed = {i: v for i, v in got.items() if isinstance(v, str)}
+    if failed:
+        raise RuntimeError("client process(es) failed: " + "; ".join(f"{i}: {v}" for i, v in sorted(failed.items())))
+    merged = [merge_parts(c, [got[i][k] for i in range(processes)])  # type: ignore[index]
+              for k, c in enumerate(levels)]
+    if progress:
+        print(f"  {processes} client processes done", file=sys.stderr)
+    return merged, round(_cpu_s() + _children_cpu_s() - cpu0, 3)
+
+
+def _children_cpu_s() -> float:
+    t = os.times()
+    return t.children_user + t.children_system
+
+
+def _client_main(index: int, processes: int, spec: dict[str, Any], workload: Workload, levels: list[int],
+                 barrier: Any, results_q: Any) -> None:
+    """One client process of `sweep_processes`: its share of every level, sent back as
+    LevelParts (or a string saying why it failed)."""
+    try:
+        parts: list[LevelPart] | str = asyncio.run(_client(index, processes, spec, workload, levels, barrier))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the run
+        parts = f"{type(exc).__name__}: {exc}"[:300]
+    results_q.put((index, parts))
+
+
+async def _client(index: int, processes: int, spec: dict[str, Any], workload: Workload, levels: list[int],
+                  barrier: Any) -> list[LevelPart]:
+    target = Target(**spec)
+    await target.open()
+    try:
+        await target.one("def warm_up():", 4, True)
+        parts = []
+        for c in levels:
+            share = shares(c, processes)
+            # Every process waits here, so each level starts in all of them at once.
+            await asyncio.get_running_loop().run_in_executor(None, barrier.wait, 900)
+            if share[index]:
+                w = part_workload(workload, index, sum(share[:index]), share[index], c)
+                parts.append(await run_part(target, w, share[index], progress=False))
+            else:
+                parts.append(LevelPart(concurrency=0, samples=[], elapsed_s=0.0, cpu_s=0.0))
+        return parts
     finally:
         await target.close()
 

@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output-tokens", type=_range, default=(128, 128), metavar="N[-M]")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS")
+    b.add_argument("--processes", type=_positive, default=1, metavar="N",
+                   help="client processes to spread each level's concurrency over (default 1); results merged")
     b.add_argument("--json", type=Path, help="write results as JSON")
     b.add_argument("--plot", type=Path, help="draw throughput and latency vs concurrency (PNG)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -109,6 +111,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
     try:
@@ -121,11 +133,11 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import asyncio
+    import os
     import platform
     import time
 
-    from llmhost.bench import Target, Workload, plot, sweep, table, write_json
+    from llmhost.bench import Workload, plot, sweep_processes, table, write_json
 
     if args.requests is not None and args.requests < 1:
         print("llmhost bench: --requests must be >= 1", file=sys.stderr)
@@ -146,11 +158,19 @@ def _bench(args: argparse.Namespace) -> int:
         if not api_key:
             print(f"llmhost bench: --api-key-file {args.api_key_file} is empty", file=sys.stderr)
             return 2
-    target = Target(args.kind, args.url, args.model, api_key=api_key)
-    results = asyncio.run(sweep(target, workload, args.concurrency, progress=not args.quiet))
+    spec = {"kind": args.kind, "url": args.url, "model": args.model, "api_key": api_key}
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    try:
+        results, client_cpu_s = sweep_processes(spec, workload, args.concurrency, args.processes,
+                                                progress=not args.quiet)
+    except RuntimeError as exc:  # a client process failed (not a failed request: those are counted)
+        print(f"llmhost bench: {exc}", file=sys.stderr)
+        return 1
     print(table(results))
+    print(f"client: {args.processes} process(es), {client_cpu_s:.1f} CPU s in all")
     meta = {"kind": args.kind, "url": args.url, "model": args.model, "workload": workload.__dict__,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node()}
+            "date": started, "host": platform.node(), "cpus": os.cpu_count(),
+            "processes": args.processes, "client_cpu_s": client_cpu_s}
     if args.json:
         write_json(results, args.json, meta)
     if args.plot:

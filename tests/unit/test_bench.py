@@ -1,8 +1,20 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from llmhost.bench import LevelResult, Sample, Workload, percentiles, table
+from llmhost.bench import (
+    LevelPart,
+    LevelResult,
+    Sample,
+    Workload,
+    merge_parts,
+    part_workload,
+    percentiles,
+    shares,
+    table,
+)
 from llmhost.cli import build_parser
 
 
@@ -64,3 +76,106 @@ def test_the_api_key_is_sent_as_a_bearer_token():
             await t.close()
 
     assert asyncio.run(headers())["Authorization"] == "Bearer k123"
+
+
+# --- several client processes (`llmhost bench --processes N`) -------------------------
+
+def _part(c: int, tokens: list[int], elapsed: float, cpu: float = 0.5, errors: int = 0) -> LevelPart:
+    samples = [Sample(ok=True, ttft=0.01 * (i + 1), e2e=1.0 + i, tokens=t) for i, t in enumerate(tokens)]
+    samples += [Sample(ok=False, error=f"boom {i}") for i in range(errors)]
+    return LevelPart(concurrency=c, samples=samples, elapsed_s=elapsed, cpu_s=cpu, started_at=99.0 + elapsed)
+
+
+def test_merged_parts_sum_rates_and_take_percentiles_over_all_samples():
+    a = _part(2, [100, 100], elapsed=2.0, cpu=0.25)       # 100 tok/s, 1 req/s
+    b = _part(1, [100, 100, 100], elapsed=1.0, cpu=0.5, errors=1)  # 300 tok/s, 3 req/s
+    idle = LevelPart(concurrency=0, samples=[], elapsed_s=0.0, cpu_s=0.0)
+    r = merge_parts(3, [a, b, idle])
+    assert (r.concurrency, r.requests, r.errors, r.first_error) == (3, 6, 1, "boom 0")
+    assert r.output_tokens_per_s == pytest.approx(400.0) and r.requests_per_s == pytest.approx(4.0)
+    assert r.duration_s == 2.0 and r.client_cpu_s == pytest.approx(0.75) and r.client_processes == 2
+    assert r.client_cpu_max_s == pytest.approx(0.5) and r.started_at == 100.0
+    # Percentiles over the five good samples of both parts, not a mean of the parts' own.
+    assert r.ttft_s == percentiles([0.01, 0.02, 0.01, 0.02, 0.03])
+    assert r.e2e_s["p50"] == pytest.approx(2.0)
+
+
+def test_one_part_is_the_single_process_result():
+    r = merge_parts(4, [_part(4, [10, 20], elapsed=0.5, cpu=0.1)])
+    assert r.output_tokens_per_s == pytest.approx(60.0) and r.client_processes == 1 and r.requests == 2
+
+
+def test_concurrency_and_requests_are_shared_out():
+    assert shares(16, 8) == [2] * 8 and shares(1, 8) == [1] + [0] * 7 and shares(10, 4) == [3, 3, 2, 2]
+    w = Workload(requests=10, seed=7)
+    # c=4 over 2 processes: workers 0-1 and 2-3; requests 3,3,2,2 per worker.
+    assert part_workload(w, 0, 0, 2, 4).requests == 6 and part_workload(w, 1, 2, 2, 4).requests == 4
+    assert part_workload(w, 1, 2, 2, 4).seed == 8  # prompts of its own
+    d = Workload(duration_s=5.0, seed=7)
+    assert part_workload(d, 3, 3, 1, 4).duration_s == 5.0 and part_workload(d, 3, 3, 1, 4).seed == 10
+
+
+def test_processes_argument():
+    assert build_parser().parse_args(["bench"]).processes == 1
+    assert build_parser().parse_args(["bench", "--processes", "8"]).processes == 8
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "x"])
+def test_bad_processes_argument(value, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--processes", value])
+    assert "--processes" in capsys.readouterr().err
+
+
+def _fake_triton() -> tuple[str, object]:
+    """A /generate_stream that streams 3 events and reports 3 tokens, on a thread."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = min(3, int(body["max_tokens"]))
+        for i in range(n):
+            event = {"text_output": "x", "num_output_tokens": i + 1 if i == n - 1 else None}
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            await asyncio.sleep(0.005)
+        return resp
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/v2/models/m/generate_stream", handler)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def test_two_client_processes_against_a_fake_server(tmp_path):
+    from llmhost.cli import main
+
+    url, stop = _fake_triton()
+    try:
+        out = tmp_path / "r.json"
+        rc = main(["bench", "--url", url, "--model", "m", "--concurrency", "1,3", "--requests", "6",
+                   "--processes", "2", "--quiet", "--json", str(out)])
+    finally:
+        stop()  # type: ignore[operator]
+    assert rc == 0
+    record = json.loads(out.read_text())
+    assert record["meta"]["processes"] == 2 and record["meta"]["client_cpu_s"] > 0
+    one, three = record["levels"]
+    assert (one["requests"], one["errors"], one["client_processes"]) == (6, 0, 1)  # c=1: one process works
+    assert (three["requests"], three["errors"], three["client_processes"]) == (6, 0, 2)
+    assert three["output_tokens_per_s"] > 0 and 0 < three["client_cpu_max_s"] <= three["client_cpu_s"]
