@@ -32,7 +32,8 @@ from llmhost.admin_key import HEADER as ADMIN_HEADER
 from llmhost.admin_key import ensure_key_file, restriction_args
 from llmhost.backend.watchdog import describe_exit
 from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir
-from llmhost.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop
+from llmhost.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop, remove_stop_files
+from llmhost.stopserver import free_http_port
 
 PR_SET_CHILD_SUBREAPER = 36
 ADMIN_KEY_FILE = "admin-key"
@@ -226,6 +227,10 @@ def exit_reason(rc: int) -> str:
     return f"exited with status {rc}"
 
 
+def _say(message: str) -> None:
+    print(f"llmhost serve: {message}", file=sys.stderr, flush=True)
+
+
 def run(opts: ServeOptions, ready_timeout_s: float = 600, max_restarts: int = RESTART_BURST) -> int:
     """Run tritonserver until SIGINT/SIGTERM; like systemd with Restart=always, a
     tritonserver that exits unasked after it was ready is restarted (after its
@@ -238,12 +243,17 @@ def run(opts: ServeOptions, ready_timeout_s: float = 600, max_restarts: int = RE
     stop_file = workdir / STOP_FILE_NAME
 
     def forward(signum: int, _frame: Any) -> None:
+        first = not stopping.is_set()
         stopping.set()
         for proc in current:
             if proc.poll() is None:
                 with contextlib.suppress(OSError):  # the backend then drains at once (llmhost.stopfile)
                     announce_stop(stop_file, proc.pid)
                 proc.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
+                if first:  # what systemd's ExecStop does too (llmhost.stopserver)
+                    threading.Thread(target=free_http_port, daemon=True, args=(
+                        proc.pid, opts.http_port, stop_file, opts.drain_timeout_s, _say,
+                        lambda p=proc: p.poll() is not None)).start()
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
@@ -272,7 +282,7 @@ def run(opts: ServeOptions, ready_timeout_s: float = 600, max_restarts: int = RE
     restarts = 0
     while True:
         print(f"llmhost serve: starting tritonserver for model '{opts.name}' ({workdir})", flush=True)
-        stop_file.unlink(missing_ok=True)
+        remove_stop_files(stop_file)
         proc = subprocess.Popen(cmd, env=env)
         current[:] = [proc]
         if stopping.is_set():  # a signal that came while no tritonserver ran

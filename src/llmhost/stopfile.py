@@ -13,6 +13,12 @@ error. Their connections end, and Triton goes on to unload with time to spare.
 
 The pid ties the file to one server: a file left by an earlier instance (a
 crash, a restart) is ignored.
+
+Once a backend process has no request in flight any more during such a stop (and
+has handed its last responses to tritonserver), it leaves a second file beside it,
+``<stop file>.drained.<its pid>``, holding the server's pid too: the stopper
+(``llmhost.stopserver``) then knows that an HTTP connection still open carries no
+request, and closes it (``llmhost.httpconns``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,14 @@ STOP_FILE_NAME = "stopping"
 def announce_stop(path: Path, server_pid: int) -> None:
     """Record that the server SERVER_PID is being stopped (atomically)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(f"{server_pid}\n")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        # Readable by tritonserver's user whatever the writer's umask: the unit's
+        # ExecStop writes it as root under UMask=0077 (the directory is 0700 anyway).
+        os.fchmod(fd, 0o644)
+        os.write(fd, f"{server_pid}\n".encode())
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 
@@ -40,6 +53,27 @@ def stop_requested(path: Path | None, server_pid: int) -> bool:
     except OSError:
         return False
     return text.isdigit() and int(text) == server_pid
+
+
+def drained_file(path: Path, backend_pid: int) -> Path:
+    return path.with_name(f"{path.name}.drained.{backend_pid}")
+
+
+def mark_drained(path: Path, server_pid: int, backend_pid: int | None = None) -> None:
+    """Record that the backend process BACKEND_PID (this one by default) of the
+    server SERVER_PID has nothing in flight any more during the server's stop."""
+    announce_stop(drained_file(path, os.getpid() if backend_pid is None else backend_pid), server_pid)
+
+
+def all_drained(path: Path, server_pid: int, backend_pids: list[int]) -> bool:
+    """Whether every one of BACKEND_PIDS has marked itself drained for SERVER_PID."""
+    return all(stop_requested(drained_file(path, pid), server_pid) for pid in backend_pids)
+
+
+def remove_stop_files(path: Path) -> None:
+    """Remove the stop file and every drained mark beside it (before a start)."""
+    for old in [path, *path.parent.glob(f"{path.name}.drained.*")]:
+        old.unlink(missing_ok=True)
 
 
 def stop_file_from_env(environ: dict[str, str] | None = None) -> Path | None:

@@ -5,8 +5,10 @@ its tritonserver."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -54,12 +56,16 @@ def _gateway_traffic(srv: Server) -> int:
 
 
 def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: Path):
-    """After the gateway's traffic, a stream in flight when SIGTERM comes completes, the
-    model unloads (finalize runs), serve exits 0 and nothing is left. With the gateway
-    cancelling each finished gRPC call, Triton 2.51 kept a reference to the model,
-    spent its whole exit timeout waiting for it and exited 1."""
+    """After the gateway's traffic, with a client holding an idle keep-alive HTTP
+    connection, a stream in flight when SIGTERM comes completes, the model unloads
+    (finalize runs), serve exits 0 and nothing is left. With the gateway cancelling
+    each finished gRPC call, Triton 2.51 kept a reference to the model, spent its
+    whole exit timeout waiting for it and exited 1; it did the same for the idle
+    connection until serve closed it once the model had drained (llmhost.stopserver)."""
     srv = start_server(tiny_model, tmp_path)
     assert _gateway_traffic(srv) == 160
+    keep_alive = requests.Session()  # a pooled connection, idle through the stop
+    assert keep_alive.get(f"{srv.http}/v2/health/ready", timeout=30).status_code == 200
     kids = srv.descendants()
     names = " ".join(_names(kids))
     assert "tritonserver" in names and "EngineCore" in names, names
@@ -86,7 +92,10 @@ def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: P
     assert rc == 0, srv.log_tail()
     log = srv.log.read_text(errors="replace")
     assert "Exit timeout expired" not in log and "[llmhost] unloaded in" in log, srv.log_tail()
+    assert re.search(r"llmhost serve: closed 1 idle HTTP connection\(s\) to port \d+ \(every model drained\)",
+                     log), srv.log_tail()
     assert results and results[0][-1]["num_output_tokens"] == 300, "the in-flight stream was cut short"
+    keep_alive.close()
     left = wait_gone(kids, timeout_s=30)
     assert not left, f"left behind: {_names(left)}"
 
@@ -94,6 +103,10 @@ def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: P
 def test_sigkill_of_tritonserver_leaves_nothing(tiny_model: Path, tmp_path: Path):
     # No restart (serve would restart it, like systemd: tests/e2e/test_engine_lifecycle.py covers that).
     srv = start_server(tiny_model, tmp_path, extra=["--max-restarts", "0"])
+    # serve's own readiness poll may lag the test's: killed before it, the crash is a failed start.
+    deadline = time.monotonic() + 60
+    while "llmhost serve: ready." not in srv.log.read_text(errors="replace") and time.monotonic() < deadline:
+        time.sleep(0.2)
     kids = srv.descendants()
     triton = next(p for p in kids if p.name() == "tritonserver")
     triton.send_signal(signal.SIGKILL)

@@ -11,9 +11,11 @@ it (a second converge must report changed=0) see the converged state.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import http.server
 import json
 import re
+import subprocess
 import tarfile
 import threading
 import time
@@ -208,15 +210,49 @@ def _stream(url: str, out: _Stream, tokens: int = STREAM_TOKENS) -> None:
     out.started.set()
 
 
+class _SocketWatch:
+    """Samples the TCP connections of a port (both ends: the host shares this
+    machine's network namespace) once a second while a stop runs; ``late`` holds the
+    last sample taken 10 s or more after the start that still showed one, with the
+    owning processes: what Triton's exit wait is waiting for, if it waits."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.late = port, "(none 10 s after the stop began)"
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._done.wait(1):
+            r = subprocess.run(["ss", "-tanpH", f"( sport = :{self.port} or dport = :{self.port} )"],
+                               capture_output=True, text=True, check=False)
+            rows = [line for line in r.stdout.splitlines() if "LISTEN" not in line]
+            if rows and time.monotonic() - self._t0 >= 10:
+                self.late = f"{time.monotonic() - self._t0:.0f} s after the stop began:\n" + "\n".join(rows)
+
+
 def test_stop_drains_streams_in_flight_then_stops(converged: Converged):
     """Streams are in flight for sure: vLLM's engine processes are frozen (SIGSTOP)
     while the requests arrive and until systemd has begun the stop, then thawed; every
     stream must still end complete, and the unit stop cleanly within its time. The
     backend learnt of the stop from the unit's ExecStop (llmhost.stopfile) and drained
     at once: before that, Triton's wait for HTTP connections could use up its whole
-    exit timeout, and tritonserver exited 1 without unloading."""
+    exit timeout, and tritonserver exited 1 without unloading. A client keeps an idle
+    keep-alive connection through the stop: the unit's ExecStop (llmhost.stopserver)
+    must close it once the model has drained, else the same happens."""
     host = converged.host
     assert wait_ready(converged.triton_http, timeout_s=RECOVERY_TIMEOUT_S)
+    keep_alive = http.client.HTTPConnection("127.0.0.1", converged.ports["http"], timeout=30)
+    keep_alive.request("GET", "/v2/health/live")
+    assert keep_alive.getresponse().read() is not None  # answered; the connection stays open, idle
+    idle_peer = f"127.0.0.1:{keep_alive.sock.getsockname()[1]}"
     unit = host.exec(["systemctl", "cat", "tritonserver"], check=True).stdout
     timeout_stop_s = int(re.findall(r"^TimeoutStopSec=(\d+)$", unit, re.M)[-1])
     drain_s = int(re.findall(r"--exit-timeout-secs=(\d+)", unit)[-1]) - 30  # llmhost_drain_timeout_s
@@ -237,6 +273,7 @@ def test_stop_drains_streams_in_flight_then_stops(converged: Converged):
                          "done\n"
                          f"kill -CONT {engine}\n"
                          "wait $stop\n")
+    sockets = _SocketWatch(converged.ports["http"])
     try:
         host.exec(f"kill -STOP {engine}", check=True)
         for t in threads:
@@ -244,7 +281,11 @@ def test_stop_drains_streams_in_flight_then_stops(converged: Converged):
         time.sleep(3)  # every request reaches tritonserver; none can produce a token
         assert not any(s.events or s.error for s in streams), "the engine was not frozen"
         t0 = time.monotonic()
-        out, err = stopper.communicate("go\n", timeout=600)
+        sockets.start()
+        try:
+            out, err = stopper.communicate("go\n", timeout=600)
+        finally:
+            sockets.stop()
         stop_s = time.monotonic() - t0
         assert stopper.returncode == 0, out + err
         for t in threads:
@@ -261,15 +302,20 @@ def test_stop_drains_streams_in_flight_then_stops(converged: Converged):
             journal = host.exec("journalctl -u tritonserver --no-pager -o short-precise -n 400").stdout
             keep = re.compile(r"Timeout \d+|draining|drain time|exit|Exit|error|Error|failed|Stopp|signal|Killing")
             (Path(__file__).parents[2] / ".cache" / "drain-stop-journal.txt").write_text(journal)
-            raise AssertionError(f"{state}; the stop's journal (all of it in .cache/drain-stop-journal.txt):\n"
+            raise AssertionError(f"{state}; the TCP connections of Triton's HTTP port {sockets.late}\n"
+                                 "the stop's journal (all of it in .cache/drain-stop-journal.txt):\n"
                                  + "\n".join(line[-300:] for line in journal.splitlines() if keep.search(line))[-6000:])
         assert stop_s < timeout_stop_s, f"stop took {stop_s:.0f} s; TimeoutStopSec {timeout_stop_s}"
         log = host.exec("journalctl -u tritonserver --no-pager -o cat -n 300").stdout
         assert "draining (tritonserver is stopping)" in log, log[-4000:]
+        closed = re.findall(r"llmhost stop: closed \d+ idle HTTP connection\(s\) to port \d+ \(every model drained\): "
+                            r"(.*)", log)
+        assert any(idle_peer in line.split(", ") for line in closed), (idle_peer, closed, log[-4000:])
         assert not set(processes(host)) & old_pids, "processes left after the stop"
         assert not shm_segments(host), "shared memory left after the stop"
         last_s = max(s.last_event_at for s in streams) - stop_began
     finally:
+        keep_alive.close()
         host.exec(f"kill -CONT {engine}")
         if stopper.poll() is None:
             stopper.kill()

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import types
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -350,6 +351,56 @@ def test_the_stop_file_starts_the_drain_and_aborts_what_outlives_it(fake_vllm: N
     assert not stops and engine.shutdowns == 0  # Triton unloads the model next: finalize -> stop()
     runner.stop(drain_timeout_s=1)
     assert engine.shutdowns == 1
+
+
+def test_the_drained_mark_comes_once_nothing_is_in_flight(fake_vllm: None, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch):
+    """During the server's stop, the backend leaves its drained mark (which lets the
+    stopper close idle HTTP connections: llmhost.stopserver) only after the last
+    request in flight has ended, and only once."""
+    stop_file = tmp_path / "stopping"
+    runner, _, _, _, _ = make_runner(drain_timeout_s=30, stop_file=stop_file, server_pid=4242)
+    assert start_in_thread(runner) == [None]
+    engine = FakeEngine.instances[0]
+    sink = submit(runner, monkeypatch)  # never ends by itself
+    assert engine.generating.wait(BOUND_S)
+    announce_stop(stop_file, 4242)
+    mark = stopfile.drained_file(stop_file, os.getpid())
+    for _ in range(25):  # the watchdog looks once a second: two looks at least
+        threading.Event().wait(0.1)
+    assert runner._server_stopping and not mark.exists(), "marked drained with a request in flight"
+    runner._loop.call_soon_threadsafe(runner._abort_leftovers)
+    assert sink.done.wait(BOUND_S)
+    deadline = time.monotonic() + BOUND_S
+    while not mark.exists() and time.monotonic() < deadline:
+        threading.Event().wait(0.1)
+    assert stopfile.all_drained(stop_file, 4242, [os.getpid()])
+    assert not stopfile.all_drained(stop_file, 4242, [os.getpid(), os.getpid() + 1])  # another backend is not
+    mark.unlink()
+    for _ in range(15):
+        threading.Event().wait(0.1)
+    assert not mark.exists(), "marked twice"
+    runner.stop(drain_timeout_s=1)
+
+
+def test_the_stop_file_is_readable_by_the_server_whatever_the_umask(tmp_path: Path):
+    """The unit's ExecStop writes it as root under UMask=0077; tritonserver's user reads it."""
+    old = os.umask(0o077)
+    try:
+        announce_stop(tmp_path / "stopping", 7)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "stopping").stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["stopping"]
+
+
+def test_stop_files_are_removed_before_a_start(tmp_path: Path):
+    stop_file = tmp_path / "stopping"
+    announce_stop(stop_file, 7)
+    stopfile.mark_drained(stop_file, 7, backend_pid=8)
+    (tmp_path / "other").write_text("kept")
+    stopfile.remove_stop_files(stop_file)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
 
 
 def test_a_stop_file_of_another_server_is_ignored(fake_vllm: None, tmp_path: Path):

@@ -31,7 +31,7 @@ from llmhost.backend.watchdog import (
     engine_death_cause,
     stop_tritonserver,
 )
-from llmhost.stopfile import stop_file_from_env, stop_requested
+from llmhost.stopfile import mark_drained, stop_file_from_env, stop_requested
 
 # Defaults we set for a server unless model.json says otherwise.
 ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True}
@@ -116,7 +116,8 @@ class EngineRunner:
     def __init__(self, config: ModelConfig, metrics: ServingMetrics, log: Callable[[str], None],
                  log_error: Callable[[str], None] | None = None,
                  stop_server: Callable[[Callable[[str], None]], bool] | None = None,
-                 stop_file: Path | None = None, server_pid: int | None = None) -> None:
+                 stop_file: Path | None = None, server_pid: int | None = None,
+                 on_drained: Callable[[], None] | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.log = log
@@ -142,6 +143,11 @@ class EngineRunner:
         self._drain_deadline: float | None = None
         self._drain_timeout_s = 0.0
         self._abort_message: str | None = None
+        # Called once (off the engine loop) when the server is stopping and nothing
+        # is in flight any more: by default, the drained mark (llmhost.stopfile).
+        self._on_drained = on_drained or self.mark_drained
+        self._server_stopping = False
+        self._drained_marked = False
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
@@ -238,11 +244,26 @@ class EngineRunner:
             if cause is not None:
                 await self._engine_died(cause)
                 return
-            if self._drain_deadline is None and stop_requested(self._stop_file, self._server_pid):
+            if not self._server_stopping and stop_requested(self._stop_file, self._server_pid):
+                self._server_stopping = True
                 self.begin_drain(self.config.settings.drain_timeout_s, "tritonserver is stopping")
             if (self._drain_deadline is not None and self._abort_message is None and self.active
                     and time.monotonic() >= self._drain_deadline):
                 self._abort_leftovers()
+            if self._server_stopping and not self._drained_marked and not self.active:
+                self._drained_marked = True
+                await asyncio.get_running_loop().run_in_executor(None, self._report_drained)
+
+    def _report_drained(self) -> None:
+        try:
+            self._on_drained()
+        except Exception as exc:  # noqa: BLE001 - the stop then waits for the drain timeout instead
+            self.log_error(f"marking the drain as done failed: {describe_failure(exc)}")
+
+    def mark_drained(self) -> None:
+        """Leave the drained mark beside the stop file (llmhost.stopfile)."""
+        if self._stop_file is not None:
+            mark_drained(self._stop_file, self._server_pid)
 
     # -- draining -------------------------------------------------------------
     def begin_drain(self, timeout_s: float, why: str) -> None:

@@ -343,7 +343,7 @@ class TritonPythonModel:
         self.metrics = ServingMetrics()
         self.runner = EngineRunner(self.config, self.metrics, lambda m: pb.Logger.log_info(f"[llmhost] {m}"),
                                    lambda m: pb.Logger.log_error(f"[llmhost] {m}"),
-                                   stop_server=self._stop_server_when_sent)
+                                   stop_server=self._stop_server_when_sent, on_drained=self._drained_when_sent)
         try:
             self.runner.start()  # bounded: whatever fails before the engine is up ends here
         except EngineStartError as exc:
@@ -388,6 +388,17 @@ class TritonPythonModel:
         if io is not None and not io.wait_sent(SEND_BEFORE_STOP_S):
             log(f"responses still queued after {SEND_BEFORE_STOP_S:g} s; stopping tritonserver anyway")
         return stop_tritonserver(log)
+
+    def _drained_when_sent(self) -> None:
+        """The server is stopping and nothing is in flight: mark this backend drained
+        once the last responses have reached tritonserver (the stopper then closes
+        the HTTP connections left idle: llmhost.stopserver)."""
+        io = getattr(self, "io", None)
+        runner = getattr(self, "runner", None)
+        if io is not None:
+            io.wait_sent(SEND_BEFORE_STOP_S)
+        if runner is not None:
+            runner.mark_drained()
 
     def execute(self, requests: list[Any]) -> None:
         pb = _pb()
