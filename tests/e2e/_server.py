@@ -16,6 +16,8 @@ from tests.conftest import free_port
 from tests.e2e._endpoint import Endpoint
 
 READY_TIMEOUT_S = 300
+# What `llmhost serve` prints once it has seen the model ready.
+SERVE_READY = "llmhost serve: ready."
 
 
 @dataclass
@@ -78,7 +80,9 @@ def _start_once(model: Path, workdir: Path, name: str, extra: list[str] | None) 
             if "already in use" in tail:
                 raise PortTaken(tail)
             raise RuntimeError(f"llmhost serve exited with {proc.returncode}:\n{tail}")
-        if server.model_ready(timeout_s=2):
+        # Ready for the tests once `llmhost serve` has seen it ready too: serve restarts
+        # only a tritonserver that died after that (a kill before it would not restart).
+        if server.model_ready(timeout_s=2) and SERVE_READY in log.read_text(errors="replace"):
             return server
         time.sleep(1)
     server.stop(signal.SIGKILL)
