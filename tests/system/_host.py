@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,18 @@ DOWN_TIMEOUT_S = 120.0
 
 class HostError(RuntimeError):
     """testhost.py failed; the message carries its stderr."""
+
+
+def _seconds(span: str) -> float:
+    """systemd's time span as `systemctl show` prints it ("1min 15s", "75s", "infinity")."""
+    if span == "infinity":
+        raise HostError("the unit has no stop timeout (TimeoutStopSec=infinity)")
+    units = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+    total = 0.0
+    for part in span.split():
+        number = part.rstrip("abcdefghijklmnopqrstuvwxyz")
+        total += float(number) * units[part[len(number):] or "s"]
+    return total
 
 
 def testhost(*args: str, timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -164,6 +177,25 @@ class BootedHost:
         if check and proc.returncode != 0:
             raise HostError(f"in {self.name}: {argv} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         return proc
+
+    def stop_unit(self, unit: str) -> float:
+        """``systemctl stop UNIT`` as an operator would, bounded by what the unit itself
+        promises: each of systemd's stop phases (ExecStop, SIGTERM, SIGKILL) lasts at
+        most its TimeoutStopSec. Returns the seconds the stop took; past that bound (and
+        a minute more), fails with the unit's status, processes and journal."""
+        timeout_us = self.exec(["systemctl", "show", "-p", "TimeoutStopUSec", "--value", unit], check=True)
+        bound = 3 * _seconds(timeout_us.stdout.strip()) + 60
+        began = time.monotonic()
+        self.exec(["systemctl", "stop", "--no-block", unit], check=True, timeout=60)
+        while time.monotonic() - began < bound:
+            state = self.exec(["systemctl", "show", "-p", "ActiveState", "--value", unit], timeout=60).stdout.strip()
+            if state in ("inactive", "failed"):
+                return time.monotonic() - began
+            time.sleep(1)
+        why = self.exec(f"systemctl status --no-pager {unit}; ps -eo pid,ppid,stat,etime,pcpu,comm --forest; "
+                        f"journalctl -u {unit} -n 120 --no-pager -o short-precise", timeout=60)
+        raise HostError(f"in {self.name}: `systemctl stop {unit}` not done after {bound:.0f} s "
+                        f"(3 x TimeoutStopSec + 60 s):\n{why.stdout[-12000:]}\n{why.stderr[-2000:]}")
 
     def popen(self, cmd: str) -> subprocess.Popen[str]:
         """Start ``sh -c CMD`` inside the host without waiting; its stdin, stdout and
