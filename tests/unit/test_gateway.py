@@ -256,6 +256,18 @@ def test_completion_chunks_without_usage_and_with_n2():
     assert events[0]["object"] == "text_completion"
 
 
+def test_a_completions_new_tokens_get_a_chunk_before_their_text_decodes():
+    # The first token is half of a UTF-8 character: no text yet, one token more.
+    req = _map(json.dumps({"model": "m", "prompt": "p", "stream": True}).encode(), chat=False)
+    events = _collect(req, [Piece([""], [], 1, [1], False), Piece(["\u00e9"], [], 1, [2], False),
+                            Piece([""], [], 1, [2], False), Piece([""], ["stop"], 1, [2], True)])
+    assert [(e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in events[:-1]] == [
+        ("", None), ("\u00e9", None), ("", "stop")]
+    # Chat sends content only: an empty delta for an undecoded token is left out.
+    chat = _collect(_map(_chat(stream=True)), [Piece([""], [], 1, [1], False), Piece(["x"], ["stop"], 1, [2], True)])
+    assert [e["choices"][0]["delta"] for e in chat[:-1]] == [{"role": "assistant", "content": ""}, {"content": "x"}]
+
+
 def test_an_error_mid_stream_is_an_error_event():
     async def failing() -> AsyncIterator[Piece]:
         yield Piece(["x"], [], 1, [1], False)

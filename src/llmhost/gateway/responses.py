@@ -104,12 +104,16 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
                 except StopAsyncIteration:
                     break
             piece = pieces.pop()
+            before = list(acc.num_output)
             acc.add(piece)
             choices = []
             for i in range(req.n):
                 text = piece.texts[i] if i < len(piece.texts) else ""
                 reason = _finish(piece.finish_reasons, i)
-                if text or reason:
+                # A completion's new tokens get a chunk even while their text is still
+                # an incomplete character (as vLLM's server does); chat sends content only.
+                grew = not req.chat and acc.num_output[i] > before[i]
+                if text or reason or grew:
                     choices.append(_choice(req, i, text if text or not req.chat else None, reason))
             if choices:
                 yield sse(chunk(req, rid, created, choices))
