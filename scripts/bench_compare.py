@@ -46,14 +46,19 @@ MAX_MODEL_LEN = 1024
 # here: in 15 s at concurrency 64 the client ran 0.05 s and waited 16.6 s to run,
 # so a level measured the client. Both servers get the same treatment.
 SERVER_NICE = 10
-_LOWER_PRIORITY = ("nice", "-n", str(SERVER_NICE), "sh", "-c",
-                   f'echo {SERVER_NICE} > /proc/self/autogroup 2>/dev/null; exec "$@"', "server")
+# The gateway runs ahead of the servers, as its unit puts it (CPUWeight 1000 against
+# tritonserver's 100): in a session of its own at nice 0 it weighs 1024 against the
+# servers' 110. At equal weight, vLLM's busy-waiting engine delayed the gateway's
+# streams by up to a whole response (docs/performance.md, 2026-11-25).
+GATEWAY_NICE = 0
 
 
 def start(cmd: list[str], env: dict[str, str], ready_url: str, log: Path,
-          headers: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+          headers: dict[str, str] | None = None, nice: int = SERVER_NICE) -> subprocess.Popen[bytes]:
+    priority = ("nice", "-n", str(nice), "sh", "-c", f'echo {nice} > /proc/self/autogroup 2>/dev/null; exec "$@"',
+                "server")
     with log.open("ab") as out:
-        proc = subprocess.Popen([*_LOWER_PRIORITY, *cmd], env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([*priority, *cmd], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -201,7 +206,8 @@ def main() -> int:
             try:
                 for cmd, ready, headers in procs_spec:
                     label = "gateway" if cmd is gateway_cmd else "triton" if cmd is triton_cmd else name
-                    procs.append((label, start(cmd, env, ready, args.out / f"{label}.log", headers)))
+                    nice = GATEWAY_NICE if label == "gateway" else SERVER_NICE
+                    procs.append((label, start(cmd, env, ready, args.out / f"{label}.log", headers, nice)))
                 t0 = time.monotonic()
                 cpu0 = {label: cpu_seconds(p) for label, p in procs}
                 results = asyncio.run(sweep(target, workload, levels, progress=True))
@@ -225,7 +231,7 @@ def main() -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
             "rounds": args.rounds, "workload": workload.__dict__, "max_model_len": MAX_MODEL_LEN,
             "llmhost_settings": BackendSettings().__dict__, "llmhost_setting_overrides": args.setting,
-            "server_nice": SERVER_NICE, "paths": names,
+            "server_nice": SERVER_NICE, "gateway_nice": GATEWAY_NICE, "paths": names,
             "streaming": {"triton": "HTTP SSE from the backend, deltas grouped per stream_interval_ms",
                           "gateway": "OpenAI SSE, one chunk per backend response (grouped the same way)",
                           "vllm": "OpenAI SSE, one event per engine step"}}

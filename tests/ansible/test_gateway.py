@@ -55,6 +55,8 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
      ("gateway_tls_cert_file", "gateway_tls_key_file")),
     ("TLS files missing", {**keys({"name": "a", "key": KEY}), "gateway_tls_cert_file": "/nonexistent/gw.crt",
                            "gateway_tls_key_file": "/nonexistent/gw.key"}, ("/nonexistent/gw.crt", "not a file")),
+    ("CPU weight out of range", {**keys({"name": "a", "key": KEY}), "gateway_cpu_weight": 20000},
+     ("gateway_cpu_weight", "1 to 10000")),
     ("port clash", {**keys({"name": "a", "key": KEY}), "gateway_port": 18081}, ("gateway_port",)),
     ("unknown model", {**keys({"name": "a", "key": KEY}), "gateway_models": ["llama"]}, ("gateway_models", "llama")),
     ("bad upstream", {**keys({"name": "a", "key": KEY}), "gateway_upstreams": ["localhost"]}, ("gateway_upstreams",)),
@@ -118,7 +120,8 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
     for want in ("User=llmhost-gateway", "--listen [::]:18080", "--upstream 10.0.0.1:8001",
                  "--upstream [fd00::2]:8001", "--model tiny", "--model qwen", "--keys-file %d/keys.json",
                  "LoadCredential=tls.key:/etc/ssl/gw.key", "--tls-cert %d/tls.crt --tls-key %d/tls.key",
-                 "--drain-timeout-s 40", "TimeoutStopSec=55", "KillSignal=SIGTERM", "Restart=on-failure",
+                 "--drain-timeout-s 40", "TimeoutStopSec=55", "CPUWeight=1000", "KillSignal=SIGTERM",
+                 "Restart=on-failure",
                  "NoNewPrivileges=true", "ProtectSystem=strict", "MemoryDenyWriteExecute=true",
                  "ProcSubset=pid", "ProtectProc=invisible", "SystemCallFilter=@system-service", "UMask=0077",
                  "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "\nCapabilityBoundingSet=\n"):

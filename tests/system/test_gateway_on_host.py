@@ -54,6 +54,9 @@ def test_unit_is_active_enabled_and_not_root(converged: Converged):
     assert p["User"] == USER and p["NoNewPrivileges"] == "yes" and p["ProtectSystem"] == "strict", p
     assert p["CapabilityBoundingSet"] == "" and p["Restart"] == "on-failure", p
     assert p["MemoryDenyWriteExecute"] == "yes" and p["KillSignal"] == "15", p
+    # Ahead of tritonserver (systemd's default weight) on busy cores.
+    assert props(host, "CPUWeight", unit=UNIT)["CPUWeight"] == "1000"
+    assert props(host, "CPUWeight", unit="tritonserver")["CPUWeight"] in ("[not set]", "100")
 
 
 def test_exposure_is_low(converged: Converged):
