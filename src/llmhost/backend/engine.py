@@ -37,6 +37,22 @@ from llmhost.stopfile import mark_drained, stop_file_from_env, stop_requested
 ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True}
 # After the engine died: how long requests in flight get to end before the server is stopped.
 DEAD_DRAIN_S = 5.0
+# Experiment switch (docs/performance.md, "What is left on the H100"): `uvloop` runs the
+# engine thread's loop on uvloop, as vLLM's own server does; unset or `asyncio`, the
+# standard loop. Read once, when the engine starts.
+EVENT_LOOP_ENV = "LLMHOST_EVENT_LOOP"
+
+
+def new_event_loop(kind: str | None = None) -> asyncio.AbstractEventLoop:
+    """The engine thread's loop: KIND (default: $LLMHOST_EVENT_LOOP) `uvloop` or `asyncio`."""
+    kind = (os.environ.get(EVENT_LOOP_ENV, "") if kind is None else kind).strip().lower() or "asyncio"
+    if kind == "uvloop":
+        import uvloop  # not a dependency of ours: the experiment needs it installed
+
+        return uvloop.new_event_loop()
+    if kind != "asyncio":
+        raise EngineStartError(f"{EVENT_LOOP_ENV}={kind!r}: expected 'asyncio' or 'uvloop'")
+    return asyncio.new_event_loop()
 
 
 @dataclass
@@ -158,7 +174,7 @@ class EngineRunner:
 
         def run() -> None:
             try:
-                loop = asyncio.new_event_loop()
+                loop = new_event_loop()
                 asyncio.set_event_loop(loop)
                 self._loop = loop
                 try:
@@ -219,6 +235,9 @@ class EngineRunner:
                 self._shutdown_engine()
             ready.set()
             return
+        loop_type = type(asyncio.get_running_loop())
+        if not loop_type.__module__.startswith("asyncio"):  # the experiment switch: say which loop runs
+            self.log(f"engine event loop: {loop_type.__module__}.{loop_type.__qualname__}")
         ready.set()
         watchdog = asyncio.create_task(self._watchdog(), name="llmhost-engine-watchdog")
         await self._stop.wait()
