@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -23,6 +24,15 @@ def _wait_metric(server, series: str, predicate, timeout_s: float = 20.0, **labe
         time.sleep(0.5)
         value = server.metric(series, **labels)
     return value
+
+
+def _wait_log(server, pattern: str, timeout_s: float = 20.0) -> re.Match[str] | None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = re.search(pattern, server.log.read_text(errors="replace"))
+        if found is not None or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.5)
 
 
 def test_http_disconnect_aborts_engine_request(server):
@@ -55,7 +65,8 @@ def test_grpc_cancel_aborts_engine_request(server):
     t.set_data_from_numpy(np.array([b"def main():"], dtype=np.object_))
     s = grpcclient.InferInput("stream", [1], "BOOL")
     s.set_data_from_numpy(np.array([True]))
-    client.async_stream_infer(server.name, [t, s], parameters={"max_tokens": 400, "ignore_eos": True})
+    client.async_stream_infer(server.name, [t, s], parameters={"max_tokens": 400, "ignore_eos": True},
+                              request_id="cancel-me-7")
     deadline = time.monotonic() + 30
     while len(got) < 5 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -64,6 +75,11 @@ def test_grpc_cancel_aborts_engine_request(server):
     client.close()
     assert _wait_metric(server, "vllm:num_requests_running", lambda v: v == 0) == 0
     assert _wait_metric(server, "vllm:request_cancelled_total", lambda v: v > cancelled) == cancelled + 1
+    # The info log (tritonserver's default verbosity) names our id and the client's.
+    line = _wait_log(server, r"\[llmhost\] request [0-9a-f]{32} \(client id 'cancel-me-7'\) cancelled: "
+                             r"its client went away after (\d+) output token\(s\) sent to it")
+    assert line is not None, server.log_tail()
+    assert int(line.group(1)) >= 5  # each of the 5 responses seen carried a token at least
 
 
 def test_32_concurrent_streams_complete_in_order(server):

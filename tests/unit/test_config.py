@@ -2,10 +2,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from llmhost.backend.config import BackendSettings, ConfigError, load_model_config, parse_model_config
+from llmhost.backend.config import (
+    BackendSettings,
+    ConfigError,
+    load_model_config,
+    locate_model_json,
+    parse_model_config,
+)
 
 
 def test_split_engine_args_and_settings():
@@ -51,6 +58,70 @@ def test_load_errors_name_the_file(tmp_path: Path):
         load_model_config(tmp_path / "model.json")
     (tmp_path / "model.json").write_text(json.dumps({"model": "/m"}))
     assert load_model_config(tmp_path / "model.json").engine_args == {"model": "/m"}
+
+
+def _write_model_json(path: Path, model: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"model": model}))
+    return path
+
+
+@pytest.mark.parametrize("where", ["1/model.json", "model.json"])
+def test_model_json_is_found_in_the_version_or_the_model_directory(tmp_path: Path, where: str):
+    """NVIDIA's vllm_backend repositories keep it in the version directory, ours in the model's."""
+    expected = _write_model_json(tmp_path / where, "/m")
+    assert locate_model_json(tmp_path, "1") == (expected, [])
+    assert load_model_config(expected).engine_args == {"model": "/m"}
+
+
+def test_the_version_directory_wins_over_the_model_directory(tmp_path: Path):
+    version_level = _write_model_json(tmp_path / "2" / "model.json", "/from-version")
+    model_level = _write_model_json(tmp_path / "model.json", "/from-model")
+    path, ignored = locate_model_json(tmp_path, "2")
+    assert (path, ignored) == (version_level, [model_level])
+    assert load_model_config(path).engine_args == {"model": "/from-version"}
+    # Another version's model.json is not this version's.
+    assert locate_model_json(tmp_path, "1") == (model_level, [])
+
+
+def test_no_model_json_names_both_places_looked_at(tmp_path: Path):
+    (tmp_path / "1").mkdir()
+    with pytest.raises(ConfigError) as err:
+        locate_model_json(tmp_path, "1")
+    assert str(err.value) == f"no model.json: looked for {tmp_path}/1/model.json and {tmp_path}/model.json"
+
+
+class _Pb:
+    """The python backend module as TritonPythonModel._load_config uses it."""
+
+    class TritonModelException(Exception):
+        pass
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str]] = []
+        self.Logger = SimpleNamespace(log_info=lambda m: self.lines.append(("info", m)),
+                                      log_warn=lambda m: self.lines.append(("warn", m)))
+
+
+def test_the_backend_reads_the_version_directorys_and_names_the_one_it_ignores(tmp_path: Path):
+    from llmhost.backend.model import TritonPythonModel
+
+    version_level = _write_model_json(tmp_path / "1" / "model.json", "/from-version")
+    model_level = _write_model_json(tmp_path / "model.json", "/from-model")
+    pb = _Pb()
+    config = TritonPythonModel._load_config(pb, {"model_repository": str(tmp_path), "model_version": "1"})
+    assert config.engine_args == {"model": "/from-version"}
+    assert pb.lines == [("warn", f"[llmhost] {model_level} is ignored: {version_level} takes precedence"),
+                        ("info", f"[llmhost] settings from {version_level}")]
+
+
+def test_the_backend_fails_the_load_naming_both_places(tmp_path: Path):
+    from llmhost.backend.model import TritonPythonModel
+
+    pb = _Pb()
+    with pytest.raises(_Pb.TritonModelException) as err:
+        TritonPythonModel._load_config(pb, {"model_repository": str(tmp_path), "model_version": "3"})
+    assert str(err.value) == f"no model.json: looked for {tmp_path}/3/model.json and {tmp_path}/model.json"
 
 
 def test_engine_args_unknown_key_and_nested_config():

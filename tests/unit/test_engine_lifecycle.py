@@ -57,7 +57,7 @@ class FakeEngine:
     """Stands in for vLLM's AsyncLLM: ``errored`` and the engine processes' exit codes
     are set by the test; ``generate`` yields one delta, then waits forever (as a
     request does whose engine died before vLLM failed it), or raises once errored
-    when ``fail_when_dead``."""
+    when ``fail_when_dead``, or raises ``fail_with`` (an engine error of one request)."""
 
     instances: ClassVar[list[FakeEngine]] = []
     fail_tokenizer = False
@@ -65,6 +65,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.errored = False
         self.fail_when_dead = False
+        self.fail_with: Exception | None = None
         self.shutdowns = 0
         self.manager = FakeManager()
         self.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=self.manager))
@@ -89,6 +90,8 @@ class FakeEngine:
                               finished=False)
         yield out
         self.generating.set()
+        if self.fail_with is not None:
+            raise self.fail_with
         while not (self.errored and self.fail_when_dead):
             await asyncio.sleep(0.01)
         raise RuntimeError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
@@ -183,15 +186,16 @@ def start_in_thread(runner: EngineRunner) -> list[BaseException | None]:
     return result
 
 
-def job() -> GenerateJob:
-    return GenerateJob(prompt="hello", messages=None, stream=True, exclude_input=True, sampling={"max_tokens": 8})
+def job(client_id: str = "") -> GenerateJob:
+    return GenerateJob(prompt="hello", messages=None, stream=True, exclude_input=True, sampling={"max_tokens": 8},
+                       client_id=client_id)
 
 
-def submit(runner: EngineRunner, monkeypatch: pytest.MonkeyPatch) -> Sink:
+def submit(runner: EngineRunner, monkeypatch: pytest.MonkeyPatch, client_id: str = "") -> Sink:
     # Only the engine-facing part is under test here: sampling parameters are vLLM's.
     monkeypatch.setattr(runner, "_sampling_params", lambda j, *a: SimpleNamespace(n=1))
     sink = Sink()
-    runner.submit(job(), sink)
+    runner.submit(job(client_id), sink)
     return sink
 
 
@@ -325,6 +329,43 @@ def test_without_exit_server_on_engine_death_the_server_is_left_running(fake_vll
     runner.stop(drain_timeout_s=30)
     assert not stops
     assert "exit_server_on_engine_death is false" in error.text()
+
+
+# -- one request's end: cancelled, failed -------------------------------------------
+
+
+@pytest.mark.parametrize(("client_id", "label"), [("cancel-me-7", "(client id 'cancel-me-7')"), ("", "(no client id)")])
+def test_a_cancelled_request_logs_both_ids_at_info(fake_vllm: None, monkeypatch: pytest.MonkeyPatch,
+                                                   client_id: str, label: str):
+    """The client went away (the I/O thread saw is_cancelled()): the info log names our
+    engine id and the client's request id, and how far the stream had got."""
+    runner, info, error, _, metrics = make_runner()
+    assert start_in_thread(runner) == [None]
+    engine = FakeEngine.instances[0]
+    sink = submit(runner, monkeypatch, client_id=client_id)
+    assert engine.generating.wait(BOUND_S)
+    runner.cancel(sink.active)
+    assert sink.done.wait(BOUND_S)
+    assert sink.was_cancelled and not sink.errors
+    assert metrics._counters.get(("vllm:request_cancelled_total", None), 0.0) == 1
+    assert (f"request {sink.active.request_id} {label} cancelled: its client went away "
+            "after 1 output token(s) sent to it") in info.lines
+    assert not error.lines
+    runner.stop(drain_timeout_s=1)
+
+
+def test_an_engine_error_logs_both_ids(fake_vllm: None, monkeypatch: pytest.MonkeyPatch):
+    runner, info, _, _, metrics = make_runner()
+    assert start_in_thread(runner) == [None]
+    FakeEngine.instances[0].fail_with = RuntimeError("CUDA error: an illegal memory access")
+    sink = submit(runner, monkeypatch, client_id="req\n42")  # a line break of the client's stays escaped
+    assert sink.done.wait(BOUND_S)
+    assert sink.errors == ["engine error: RuntimeError: CUDA error: an illegal memory access"]
+    assert failed(metrics, "engine_error") == 1
+    [line] = [ln for ln in info.lines if " failed: " in ln]
+    assert line.startswith(f"request {sink.active.request_id} (client id 'req\\n42') failed: "
+                           "RuntimeError: CUDA error: an illegal memory access\nTraceback")
+    runner.stop(drain_timeout_s=1)
 
 
 # -- stopping: the stop file, the drain ---------------------------------------------

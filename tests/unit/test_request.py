@@ -9,7 +9,7 @@ import pytest
 
 from llmhost.backend.config import BackendSettings
 from llmhost.backend.errors import RequestError
-from llmhost.backend.request import parse_messages, parse_request
+from llmhost.backend.request import MAX_CLIENT_ID_CHARS, client_id, client_label, parse_messages, parse_request
 
 S = BackendSettings()
 
@@ -115,3 +115,16 @@ def test_max_n_comes_from_settings():
 def test_too_many_messages():
     with pytest.raises(RequestError, match="at most 1024"):
         parse_messages(json.dumps([{"role": "user", "content": "x"}] * 1025))
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    ("cancel-me-7", "cancel-me-7"), ("", ""), (None, ""), ("z" * 1000, "z" * MAX_CLIENT_ID_CHARS)])
+def test_client_id_is_kept_for_the_log_up_to_128_characters(raw: object, expected: str):
+    assert MAX_CLIENT_ID_CHARS == 128
+    assert client_id(raw) == expected
+
+
+def test_client_label_escapes_what_the_client_chose():
+    assert client_label("cancel-me-7") == "client id 'cancel-me-7'"
+    assert client_label("a\nb\x1b[2J") == "client id 'a\\nb\\x1b[2J'"
+    assert client_label("") == "no client id"

@@ -1,8 +1,11 @@
 """model.json: vLLM engine arguments plus llmhost's own serving settings.
 
-A model directory's ``model.json`` is a JSON object whose keys are vLLM
+A model's ``model.json`` is a JSON object whose keys are vLLM
 ``AsyncEngineArgs`` fields, plus one key ``llmhost`` holding the settings that
 belong to this backend (defaults that vLLM gets wrong for a server, limits, drain).
+It is read from the version directory Triton loads (``<model>/<version>/model.json``,
+where NVIDIA's vllm_backend keeps it) or else from the model directory
+(``<model>/model.json``, where llmhost's templates write it).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 SETTINGS_KEY = "llmhost"
+MODEL_JSON = "model.json"
 
 
 class ConfigError(ValueError):
@@ -137,3 +141,20 @@ def load_model_config(path: Path) -> ModelConfig:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
     return parse_model_config(raw)
+
+
+def model_json_candidates(model_dir: Path, version: str) -> list[Path]:
+    """Where model.json may be, in precedence order: the version directory first."""
+    candidates = [model_dir / MODEL_JSON]
+    if version:
+        candidates.insert(0, model_dir / version / MODEL_JSON)
+    return candidates
+
+
+def locate_model_json(model_dir: Path, version: str) -> tuple[Path, list[Path]]:
+    """The model.json to read for ``version`` and those that exist but lose to it."""
+    candidates = model_json_candidates(model_dir, version)
+    present = [p for p in candidates if p.exists()]
+    if not present:
+        raise ConfigError(f"no model.json: looked for {' and '.join(str(p) for p in candidates)}")
+    return present[0], present[1:]

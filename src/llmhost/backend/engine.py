@@ -23,7 +23,7 @@ from llmhost.backend.errors import RequestError
 from llmhost.backend.failures import ENGINE_ERROR, INVALID_REQUEST, classify
 from llmhost.backend.metrics import ServingMetrics
 from llmhost.backend.prompts import UTF8_MAX_BYTES, PromptEncoder, derived_prompt_bytes, longest_token_chars
-from llmhost.backend.request import GenerateJob, RequestLimits
+from llmhost.backend.request import GenerateJob, RequestLimits, client_label
 from llmhost.backend.watchdog import (
     WATCH_INTERVAL_S,
     EngineWatch,
@@ -81,6 +81,11 @@ class Active:
     request_id: str
     task: asyncio.Task[None] | None = None
     last_check: float = field(default_factory=time.monotonic)
+
+
+def request_label(request_id: str, client_id: str) -> str:
+    """How the log names a request: our engine id and the client's own id."""
+    return f"request {request_id} ({client_label(client_id)})"
 
 
 def build_engine_args(raw: dict[str, Any]) -> Any:
@@ -444,6 +449,7 @@ class EngineRunner:
 
     async def _generate(self, active: Active, job: GenerateJob, sink: Sink) -> None:
         metrics = self.metrics
+        counts: list[int] = []  # output tokens of each completion, as sent to the sink
         try:
             ids = await self._prompt_ids(job)
             params = self._sampling_params(job, len(ids))
@@ -475,6 +481,10 @@ class EngineRunner:
                 sink.fail(self._abort_message)
                 return
             metrics.inc("vllm:request_cancelled_total")
+            # Tokens handed to the client so far (a request not streamed gets its
+            # tokens only at the end: 0).
+            self.log(f"{request_label(active.request_id, job.client_id)} cancelled: its client went away "
+                     f"after {sum(counts)} output token(s) sent to it")
             sink.cancelled()
         except Exception as exc:  # noqa: BLE001 - ours and vLLM's validation, and engine errors
             if not isinstance(exc, RequestError) and self.fail_if_engine_dead(sink):
@@ -484,7 +494,7 @@ class EngineRunner:
             reason, message = classify(exc)
             metrics.inc("vllm:request_failed_total", label=reason)
             if reason == ENGINE_ERROR:
-                self.log(f"request {active.request_id} failed: {type(exc).__name__}: {exc}\n"
+                self.log(f"{request_label(active.request_id, job.client_id)} failed: {type(exc).__name__}: {exc}\n"
                          f"{''.join(traceback.format_exception(exc))}")
             sink.fail(message)
         finally:

@@ -1,7 +1,8 @@
 """Triton Python-based backend for vLLM: the ``TritonPythonModel`` Triton loads.
 
 Installed as ``<backend-dir>/vllm/model.py`` (a one-line shim importing this), so a
-model directory holds only ``config.pbtxt`` (``backend: "vllm"``) and ``model.json``.
+model directory holds only ``config.pbtxt`` (``backend: "vllm"``) and ``model.json``
+(in the version directory, as NVIDIA's vllm_backend keeps it, or the model's).
 
 Threads in the stub process:
 - Triton's thread calls ``execute()``: parse and validate, schedule, return at once;
@@ -32,11 +33,19 @@ from typing import Any
 import numpy as np
 
 from llmhost.backend.coalesce import StreamWindow, coalesce
-from llmhost.backend.config import ConfigError, load_model_config
+from llmhost.backend.config import ConfigError, ModelConfig, load_model_config, locate_model_json
 from llmhost.backend.engine import Active, Chunk, EngineRunner, EngineStartError
 from llmhost.backend.errors import RequestError, safe_message
 from llmhost.backend.metrics import ServingMetrics, TritonExporter
-from llmhost.backend.request import BOOL_INPUTS, MESSAGES, SAMPLING_PARAMETERS, TEXT_INPUT, parse_request
+from llmhost.backend.request import (
+    BOOL_INPUTS,
+    MESSAGES,
+    SAMPLING_PARAMETERS,
+    TEXT_INPUT,
+    client_id,
+    client_label,
+    parse_request,
+)
 
 INPUTS: list[dict[str, Any]] = [
     {"name": TEXT_INPUT, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
@@ -334,11 +343,7 @@ class TritonPythonModel:
         if not pb.using_decoupled_model_transaction_policy(model_config):
             raise pb.TritonModelException("the vllm backend needs a decoupled model: set model_transaction_policy "
                                           "{ decoupled: true } in config.pbtxt")
-        model_dir = Path(args["model_repository"]) if "model_repository" in args else Path(".")
-        try:
-            self.config = load_model_config(model_dir / "model.json")
-        except ConfigError as exc:
-            raise pb.TritonModelException(str(exc)) from None
+        self.config = self._load_config(pb, args)
         self._apply_placement(args)
         self.metrics = ServingMetrics()
         self.runner = EngineRunner(self.config, self.metrics, lambda m: pb.Logger.log_info(f"[llmhost] {m}"),
@@ -359,6 +364,20 @@ class TritonPythonModel:
                            f"default max_tokens {self.config.settings.default_max_tokens}, "
                            f"{self.config.settings.response_threads} response threads, "
                            f"stream interval {self.config.settings.stream_interval_ms:g} ms)")
+
+    @staticmethod
+    def _load_config(pb: Any, args: dict[str, Any]) -> ModelConfig:
+        """model.json of the version Triton loads, else of the model (config.py)."""
+        model_dir = Path(args["model_repository"]) if "model_repository" in args else Path(".")
+        try:
+            path, ignored = locate_model_json(model_dir, str(args.get("model_version", "1")))
+            config = load_model_config(path)
+        except ConfigError as exc:
+            raise pb.TritonModelException(str(exc)) from None
+        for other in ignored:
+            pb.Logger.log_warn(f"[llmhost] {other} is ignored: {path} takes precedence")
+        pb.Logger.log_info(f"[llmhost] settings from {path}")
+        return config
 
     def _apply_placement(self, args: dict[str, Any]) -> None:
         import os
@@ -412,19 +431,22 @@ class TritonPythonModel:
                 sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(
                     dead or "the model is shutting down; retry on another instance")), flags=final)
                 continue
+            cid = ""
             try:
+                cid = client_id(request.request_id())
                 inputs = {}
                 for name in INPUT_NAMES:
                     tensor = pb.get_input_tensor_by_name(request, name)
                     inputs[name] = tensor.as_numpy() if tensor is not None else None
                 job = parse_request(inputs, request.parameters(), settings, self.runner.limits)
+                job.client_id = cid
             except RequestError as exc:
                 self.metrics.inc("vllm:request_failed_total", label="invalid_request")
                 sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(safe_message(str(exc)))),
                             flags=final)
                 continue
             except Exception as exc:  # noqa: BLE001 - no exception may reach a client with its traceback
-                self._internal_error(pb, sender, final, exc)
+                self._internal_error(pb, sender, final, exc, cid)
                 continue
             try:
                 sink = _TritonSink(self.io.pick(), sender, (job.return_finish_reason, job.return_num_input_tokens,
@@ -432,14 +454,15 @@ class TritonPythonModel:
                 active = self.runner.submit(job, sink)
                 sink.io.put(("track", sink, active.request_id), urgent=False)
             except Exception as exc:  # noqa: BLE001 - as above
-                self._internal_error(pb, sender, final, exc)
+                self._internal_error(pb, sender, final, exc, cid)
         return None
 
-    def _internal_error(self, pb: Any, sender: Any, final: int, exc: BaseException) -> None:
+    def _internal_error(self, pb: Any, sender: Any, final: int, exc: BaseException, cid: str) -> None:
         """A failure of ours (not the client's input): the traceback goes to the log,
         the client gets one line without it."""
         self.metrics.inc("vllm:request_failed_total", label="engine_error")
-        pb.Logger.log_error(f"[llmhost] a request failed: {''.join(traceback.format_exception(exc))}")
+        pb.Logger.log_error(f"[llmhost] a request ({client_label(cid)}) failed: "
+                            f"{''.join(traceback.format_exception(exc))}")
         try:
             sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(
                 safe_message(f"internal error: {type(exc).__name__}; the server log has the details"))), flags=final)

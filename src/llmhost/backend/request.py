@@ -30,6 +30,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # an escape (\u0001) takes 6 bytes for a 1-byte character, plus keys and roles.
 MESSAGES_JSON_FACTOR = 6
 MESSAGES_JSON_EXTRA = 64 * 1024
+# The most of a client's request id that the log shows.
+MAX_CLIENT_ID_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,20 @@ class GenerateJob:
     extras: dict[str, Any] = field(default_factory=dict)
     # UTF-8 bytes of the prompt, or of all messages' contents.
     prompt_bytes: int = 0
+    # The client's request id (Triton's), for the log only: see client_id().
+    client_id: str = ""
+
+
+def client_id(raw: object) -> str:
+    """A client's request id as the log names it: at most MAX_CLIENT_ID_CHARS
+    characters (the client chooses it; the log prints it with repr)."""
+    return str(raw or "")[:MAX_CLIENT_ID_CHARS]
+
+
+def client_label(cid: str) -> str:
+    """The client's id as a log line names it, with repr: the client chose it, so no
+    control character or line break reaches the log as is."""
+    return f"client id {cid!r}" if cid else "no client id"
 
 
 def _scalar(name: str, value: Any) -> Any:
