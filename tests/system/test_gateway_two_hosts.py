@@ -171,6 +171,9 @@ def test_stopping_one_hosts_tritonserver_loses_no_request(pair: Pair):
         deadline = time.monotonic() + READY_TIMEOUT_S  # the next tests want A serving
         while not _triton_ready(pair.a) and time.monotonic() < deadline:
             time.sleep(2)
+        # The smoke probe may have run while A was down: run it again now, so its
+        # metric (and LLMHostSmokeProbeFailing, which test_monitoring checks) is A's state.
+        a_host.exec(["systemctl", "start", f"llmhost-smoke@{MODEL}.service"], timeout=300)
     results = [r for load in loads for r in load.results]
     after = [r for r in results if r[0] >= stop_began]
     failed = [r for r in after if r[1] != 200 or not r[2]]
