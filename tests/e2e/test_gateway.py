@@ -358,6 +358,8 @@ def test_rate_limit_is_openais_429_with_retry_after(gateway, server):
         c.completions.create(model=server.name, prompt=PROMPT, max_tokens=1)
     err = _error(info.value)
     assert err["type"] == "requests" and err["code"] == "rate_limit_exceeded"
+    # rpm 2 refills one request every 30 s: the wait is whole seconds, at least 1 and
+    # at most one refill (a bucket that never refilled, or a wrong rate, would fail).
     assert 1 <= int(info.value.response.headers["retry-after"]) <= 30
     text = httpx.get(gateway.metrics, timeout=10).text
     assert 'llmhost_gateway_rate_limited_total{key="limited",limit="rpm"} 1.0' in text
