@@ -146,3 +146,15 @@ def test_visible_gpus_takes_cuda_visible_devices_lists(value: str):
 def test_visible_gpus_refuses_anything_else_naming_the_setting(value: object):
     with pytest.raises(ConfigError, match=r"llmhost.visible_gpus must be GPU ids separated by commas"):
         parse_model_config({"model": "m", "llmhost": {"visible_gpus": value}})
+
+
+def test_engine_start_method_defaults_to_spawn_and_takes_fork():
+    assert parse_model_config({"model": "m"}).settings.engine_start_method == "spawn"
+    given = {"model": "m", "llmhost": {"engine_start_method": "fork"}}
+    assert parse_model_config(given).settings.engine_start_method == "fork"
+
+
+@pytest.mark.parametrize("value", ["forkserver", "Spawn", "", 1, None])
+def test_engine_start_method_refuses_anything_else_naming_the_choices(value: object):
+    with pytest.raises(ConfigError, match=r"llmhost.engine_start_method must be one of spawn, fork, got"):
+        parse_model_config({"model": "m", "llmhost": {"engine_start_method": value}})

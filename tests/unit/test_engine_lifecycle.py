@@ -72,12 +72,14 @@ class FakeEngine:
         self.model_config = SimpleNamespace(max_model_len=64)
         self.generating = threading.Event()
         self.usage_context: Any = None
+        self.start_method: str | None = None
         FakeEngine.instances.append(self)
 
     @classmethod
     def from_engine_args(cls, args: Any, usage_context: Any = None, stat_loggers: Any = None) -> FakeEngine:
         engine = cls()
         engine.usage_context = usage_context
+        engine.start_method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
         return engine
 
     def get_tokenizer(self) -> FakeTokenizer:
@@ -153,9 +155,9 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def make_runner(restart: bool = True, drain_timeout_s: float = 30, stop_file: Path | None = None,
-                server_pid: int = 4242) -> tuple[EngineRunner, Log, Log, list[int], ServingMetrics]:
+                server_pid: int = 4242, **settings: Any) -> tuple[EngineRunner, Log, Log, list[int], ServingMetrics]:
     config = parse_model_config({"model": "/nowhere", "llmhost": {"exit_server_on_engine_death": restart,
-                                                                  "drain_timeout_s": drain_timeout_s}})
+                                                                  "drain_timeout_s": drain_timeout_s, **settings}})
     info, error, stops = Log(), Log(), []
     metrics = ServingMetrics()
 
@@ -269,6 +271,17 @@ def test_a_healthy_start_accepts_and_stops(fake_vllm: None):
     assert runner.accepting and runner.engine_dead_message() is None
     runner.stop(drain_timeout_s=1)
     assert not runner.accepting and FakeEngine.instances[0].shutdowns == 1 and not stops
+
+
+@pytest.mark.parametrize(("settings", "expected"), [({}, "spawn"), ({"engine_start_method": "fork"}, "fork")])
+def test_the_engine_process_starts_the_way_the_setting_says(fake_vllm: None, monkeypatch: pytest.MonkeyPatch,
+                                                            settings: dict[str, str], expected: str):
+    # vLLM reads the start method when it starts EngineCore: it must be set before.
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "not-set-by-us")
+    runner, _, _, _, _ = make_runner(**settings)
+    assert start_in_thread(runner) == [None]
+    assert FakeEngine.instances[0].start_method == expected
+    runner.stop(drain_timeout_s=1)
 
 
 # -- death after start --------------------------------------------------------------

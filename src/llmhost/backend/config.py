@@ -65,6 +65,11 @@ class BackendSettings:
     # before vLLM starts; the roles write the model's `gpus` here. "": the server's.
     # Under KIND_GPU Triton pins each instance to one GPU itself.
     visible_gpus: str = ""
+    # How vLLM starts its engine process (EngineCore) and workers from this stub:
+    # "spawn" runs them in a fresh python3 (the venv's: the first on PATH), as vLLM's
+    # own server does on CUDA; "fork" copies the stub's process, which runs Python on
+    # the stub's embedded libpython (VLLM_WORKER_MULTIPROC_METHOD).
+    engine_start_method: str = "spawn"
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class ModelConfig:
 MAXIMA: dict[str, float] = {"response_threads": 64, "stream_interval_ms": 1000.0, "tokenizer_threads": 64}
 # visible_gpus: "" or GPU ids separated by commas.
 _GPU_LIST = re.compile(r"(?:\d+(?:,\d+)*)?")
+# String settings with a fixed set of values.
+CHOICES: dict[str, tuple[str, ...]] = {"engine_start_method": ("spawn", "fork")}
 # Integer settings whose smallest value is not 1.
 MINIMA: dict[str, int] = {"max_prompt_bytes": 0}
 
@@ -90,6 +97,11 @@ def _check_setting(name: str, value: Any, default: Any) -> Any:
 
 
 def _check_type(name: str, value: Any, default: Any) -> Any:
+    if name in CHOICES:
+        if not isinstance(value, str) or value not in CHOICES[name]:
+            raise ConfigError(f"model.json: llmhost.{name} must be one of {', '.join(CHOICES[name])}, "
+                              f"got {value!r}")
+        return value
     if isinstance(default, str):
         if not isinstance(value, str) or not _GPU_LIST.fullmatch(value):
             raise ConfigError(f"model.json: llmhost.{name} must be GPU ids separated by commas "

@@ -41,6 +41,7 @@ DEAD_DRAIN_S = 5.0
 # engine thread's loop on uvloop, as vLLM's own server does; unset or `asyncio`, the
 # standard loop. Read once, when the engine starts.
 EVENT_LOOP_ENV = "LLMHOST_EVENT_LOOP"
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 def new_event_loop(kind: str | None = None) -> asyncio.AbstractEventLoop:
@@ -226,6 +227,8 @@ class EngineRunner:
             from llmhost.backend.stats import stat_logger_factory
 
             args = build_engine_args(self.config.engine_args)
+            # Read by vLLM when it starts EngineCore (and, for tensor parallel, its workers).
+            os.environ[START_METHOD_ENV] = self.config.settings.engine_start_method
             # As vLLM's own server: the usage context picks the scheduler's defaults
             # (max_num_seqs, max_num_batched_tokens) for the device. The default,
             # ENGINE_CONTEXT, has none and falls back to 128 sequences and 2,048
