@@ -218,3 +218,40 @@ def test_a_barrier_is_passed_only_after_what_was_queued_before_it(fake_pb: None)
     assert event.wait(30)
     assert [t for t, _ in sender.sent] == ["a", "the model's engine stopped"], sender.sent
     stop(io)
+
+
+class GatedSender(Sender):
+    """A sender whose first send blocks until the gate opens: tritonserver slow to take it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.blocked = threading.Event()
+
+    def send(self, response: _Response, flags: int = 0) -> None:
+        if not self.sent:
+            self.blocked.set()
+            assert self.gate.wait(30)
+        super().send(response, flags)
+
+
+def test_without_a_window_a_backlog_leaves_as_one_response_per_stream(fake_pb: None) -> None:
+    # Per-step mode when the sender falls behind (vLLM's server does the same): all a
+    # stream's waiting deltas merge into one response, however long the queue, so the
+    # round trips per pass never exceed the open streams and the backlog cannot grow.
+    from llmhost.backend.model import _TritonSink
+
+    io = make_io(window_s=0.0)
+    slow = GatedSender()
+    first = _TritonSink(io, slow, (False, False, False))
+    other, o_sender = stream(io)
+    first.send(chunk("<", 1))
+    assert slow.blocked.wait(30)  # the thread is stuck in its first round trip
+    steps = 400  # two streams: 800 queued items, more than one take of the old 512
+    for i in range(steps):
+        first.send(chunk("a", i + 2))
+        other.send(chunk("b", i + 1, final=i == steps - 1))
+    slow.gate.set()
+    assert slow.wait_for("<" + "a" * steps) and o_sender.wait_for("b" * steps)
+    assert len(slow.sent) == 2 and o_sender.sent == [("b" * steps, FINAL)]
+    stop(io)
