@@ -8,7 +8,7 @@ settings, start traces, register shared memory, list the repository or read
 statistics and model configurations without the key.
 
 The key lives in a file of one ``LLMHOST_TRITON_ADMIN_KEY=<hex>`` line: a systemd
-EnvironmentFile (the triton_service role) that `llmhost serve` also uses.
+EnvironmentFile (the triton role) that `llmhost serve` also uses.
 
 Run as a script (``python -m llmhost.admin_key PATH``; stdlib only), it creates
 PATH with a new key (mode 0600) unless PATH exists, and never prints the key.

@@ -1,6 +1,6 @@
 """Lay out what tritonserver needs: a backend directory and a model repository.
 
-The same layout the Ansible roles deploy (roles/tritonserver, roles/model_repository),
+The same layout the Ansible roles deploy (roles/triton, roles/model_repository),
 made here for `llmhost serve` on a developer's machine and for the tests.
 """
 

@@ -14,7 +14,8 @@ ROLES_UNDER_TEST = role_names()
 
 
 def test_the_serving_roles_exist() -> None:
-    assert {"llmhost", "python_env", "tritonserver", "model_repository", "triton_service"} <= set(ROLES_UNDER_TEST)
+    assert {"llmhost", "python_env", "triton", "model_repository"} <= set(ROLES_UNDER_TEST)
+    assert not {"tritonserver", "triton_service"} & set(ROLES_UNDER_TEST)
 
 
 def _defaults(role: str) -> dict[str, Any]:
@@ -96,3 +97,34 @@ def test_demo_vars_are_known_variables() -> None:
     assert demo["llmhost_profile"] == "cpu"
     assert [m["source"] for m in demo["llmhost_models"]] == ["tiny"]
     assert not sorted(set(demo) - set(defaults))
+
+
+def test_no_role_reaches_out_of_itself() -> None:
+    """Paths outside a role come from variables (llmhost_source_dir, ansible.cfg's
+    directory), never from role_path with '..'."""
+    offenders = [str(p.relative_to(REPO)) for p in sorted(ROLES.rglob("*"))
+                 if p.is_file() and "role_path" in p.read_text(errors="replace")]
+    assert not offenders, f"role_path used in: {offenders}"
+
+
+@pytest.mark.parametrize("role", ROLES_UNDER_TEST)
+def test_handler_topics_are_named_after_roles(role: str) -> None:
+    """A role notifies `<role> ...` topics: its own handlers, or those that listen to
+    it (roles/triton restarts on `python_env venv changed`)."""
+    names = set(role_names())
+    for path in sorted((ROLES / role).glob("handlers/*.yml")) + sorted((ROLES / role).glob("tasks/*.yml")):
+        for text in [str(t) for t in _topics(load_yaml(path) or [])]:
+            assert text.split(" ")[0] in names, f"{path.relative_to(REPO)}: topic {text!r} names no role"
+
+
+def _topics(tasks: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for task in tasks:
+        if not isinstance(task, dict):
+            continue
+        for key in ("notify", "listen"):
+            value = task.get(key)
+            out += value if isinstance(value, list) else [value] if value else []
+        for key in ("block", "rescue", "always"):
+            out += _topics(task.get(key) or [])
+    return out

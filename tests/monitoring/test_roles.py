@@ -50,7 +50,7 @@ def test_phases_are_tagged_and_handlers_listen(role: str):
     for t in main:
         assert t["ansible.builtin.import_tasks"] == f"{t['tags'][0]}.yml"
     for h in load(base / "handlers" / "main.yml"):
-        assert h["listen"].startswith("llmhost ")
+        assert h["listen"].startswith(f"{role} ")
 
 
 @pytest.mark.parametrize("role", ROLES)

@@ -503,7 +503,7 @@ def test_grafana_datasource_with_prometheus_basic_auth_and_tls(work: Path, tls: 
     ({"grafana_secret_key": GRAFANA_PUBLIC_KEY}, "Grafana's public default key is refused"),
     ({"grafana_secret_key": "short"}, "grafana_secret_key must be empty"),
     ({"grafana_protocol": "https"}, "grafana_protocol must be http, or https with grafana_cert_file"),
-    ({"grafana_protocol": "ftp"}, 'got grafana_protocol "ftp"'),
+    ({"grafana_protocol": "ftp"}, "grafana_protocol must be one of: http, https, got: ftp"),
     ({"grafana_cert_file": "/etc/ssl/grafana.pem"}, "with http both stay empty"),
     ({"grafana_datasource_basic_auth_user": "scraper"},
      "grafana_datasource_basic_auth_user and grafana_datasource_basic_auth_password must be set together"),

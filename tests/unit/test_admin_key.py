@@ -1,6 +1,6 @@
 """The admin key: its file (created once, 0600, never rewritten), parsing, and the
 tritonserver flags `llmhost serve` passes (the same the systemd unit renders, see
-tests/ansible/test_triton_service.py)."""
+tests/ansible/test_triton.py)."""
 
 from __future__ import annotations
 

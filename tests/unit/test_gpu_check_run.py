@@ -179,7 +179,7 @@ def test_kind_model_entry_takes_the_roles_defaults():
 
 
 def test_kind_model_server_gets_the_units_flags():
-    unit = (ROOT / "systemd" / "tritonserver.service.j2").read_text()
+    unit = (ROOT / "roles" / "triton" / "templates" / "tritonserver.service.j2").read_text()
     exec_start = unit[unit.index("ExecStart="):unit.index("--log-verbose=") + len("--log-verbose=")]
     flags = set(re.findall(r"(--[a-z-]+)=", exec_start))
     cmd = gpu_check.unit_command(SimpleNamespace(server=Path("/x/tritonserver")), Path("/m"), Path("/b"), "k" * 32)
@@ -189,7 +189,7 @@ def test_kind_model_server_gets_the_units_flags():
 
 
 def test_kind_model_server_gets_the_units_environment(tmp_path):
-    template = (ROOT / "roles" / "triton_service" / "templates" / "tritonserver.env.j2").read_text()
+    template = (ROOT / "roles" / "triton" / "templates" / "tritonserver.env.j2").read_text()
     gpu_block = template[:template.index("{% if llmhost_profile == 'cpu' %}")]
     keys = set(re.findall(r"'([A-Z_]+)':", gpu_block))
     env = gpu_check.unit_environment(tmp_path, SimpleNamespace(libs=None))

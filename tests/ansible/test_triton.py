@@ -1,0 +1,164 @@
+"""The triton role's admin key and bind addresses without a host: the unit
+and the smoke probe's unit rendered by the roles' own templates and variables,
+and the admin key tasks run against a scratch directory on this machine (as root):
+created once, 0600 root, kept (changed=0 the second time), never printed, also not
+with --check --diff -vvv."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from llmhost.admin_key import ENV_NAME, HEADER, RESTRICTED_APIS, read_key, restriction_args
+
+from ._helpers import REPO, PlaybookRun, ansible_playbook, load_yaml
+
+VENV = Path(sys.executable).parent.parent
+
+
+def _play(tmp_path: Path, tasks: list[dict[str, Any]], variables: dict[str, Any], name: str) -> Path:
+    play = [{"hosts": "localhost", "gather_facts": False, "connection": "local",
+             "vars": {"ansible_python_interpreter": sys.executable, "llmhost_profile": "cpu",
+                      "llmhost_source_dir": str(REPO), **variables},
+             "tasks": tasks}]
+    book = tmp_path / f"{name}.yml"
+    book.write_text(yaml.safe_dump(play))
+    return book
+
+
+def _include(role: str, tasks_from: str) -> dict[str, Any]:
+    return {"name": f"Include {role} {tasks_from}", "ansible.builtin.include_role":
+            {"name": role, "tasks_from": tasks_from, "public": True}}
+
+
+def _exec_start(unit: str) -> list[str]:
+    """ExecStart= of a unit file as systemd splits it (continuation lines joined)."""
+    text = unit.replace("\\\n", " ")
+    lines = [ln for ln in text.splitlines() if ln.startswith("ExecStart=")]
+    assert len(lines) == 1, unit
+    return shlex.split(lines[0].removeprefix("ExecStart="))
+
+
+def _render(tmp_path: Path, role: str, template: str, variables: dict[str, Any]) -> str:
+    out = tmp_path / f"{role}.unit"
+    tasks = [_include(role, "preflight.yml"),
+             {"name": "Render", "ansible.builtin.template": {"src": template, "dest": str(out), "mode": "0644"}}]
+    run = ansible_playbook("-i", "localhost,", str(_play(tmp_path, tasks, variables, f"render-{role}")))
+    assert run.rc == 0, run.output
+    return out.read_text()
+
+
+def _flag(argv: list[str], name: str) -> list[str]:
+    return [a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}=")]
+
+
+@pytest.mark.parametrize("binds,want", [
+    ({}, ("127.0.0.1", "127.0.0.1")),
+    ({"llmhost_bind_address": "0.0.0.0", "llmhost_allow_public_triton": True,
+      "llmhost_metrics_bind_address": "10.1.2.3"}, ("0.0.0.0", "10.1.2.3")),
+    ({"llmhost_metrics_bind_address": "127.0.0.2"}, ("127.0.0.1", "127.0.0.2")),
+])
+def test_unit_binds_inference_and_metrics_apart_and_restricts_admin_apis(
+        tmp_path: Path, binds: dict[str, Any], want: tuple[str, str]) -> None:
+    unit = _render(tmp_path, "triton", str(REPO / "roles" / "triton" / "templates" / "tritonserver.service.j2"),
+                   {"llmhost_venv_dir": str(VENV), **binds})
+    argv = _exec_start(unit)
+    inference, metrics = want
+    assert _flag(argv, "http-address") == [inference] and _flag(argv, "grpc-address") == [inference]
+    assert _flag(argv, "metrics-address") == [metrics]
+    # The flags llmhost serve passes, with systemd's expansion of the key file's variable.
+    assert [a for a in argv if "-restricted-" in a] == restriction_args(f"${{{ENV_NAME}}}")
+    # The key itself is never in the unit: systemd reads it from the root-only file.
+    assert unit.count("EnvironmentFile=") == 2
+    assert "EnvironmentFile=/etc/llmhost/tritonserver-admin-key.env" in unit.splitlines()
+
+
+def test_role_and_package_agree_on_header_apis_and_variable() -> None:
+    private = load_yaml(REPO / "roles" / "triton" / "vars" / "main.yml")
+    assert private["_triton_service_admin_header"] == HEADER
+    assert tuple(private["_triton_service_restricted_apis"]) == RESTRICTED_APIS
+    assert private["_triton_service_admin_key_var"] == ENV_NAME
+
+
+def test_smoke_probe_reads_metrics_at_the_metrics_address(tmp_path: Path) -> None:
+    unit = _render(tmp_path, "smoke", str(REPO / "roles" / "smoke" / "templates" / "llmhost-smoke@.service.j2"),
+                   {"llmhost_venv_dir": str(VENV), "llmhost_bind_address": "0.0.0.0",
+                    "llmhost_allow_public_triton": True,
+                    "llmhost_metrics_bind_address": "127.0.0.2", "triton_metrics_port": 9002})
+    argv = _exec_start(unit)
+    assert argv[argv.index("--url") + 1] == "http://127.0.0.1:8000"
+    assert argv[argv.index("--metrics-url") + 1] == "http://127.0.0.2:9002"
+    assert argv[argv.index("--grpc-url") + 1] == "127.0.0.1:8001"
+    assert "key" not in unit.lower()  # the probe uses no admin API
+
+
+# -- the admin key tasks ------------------------------------------------------------------
+
+
+def _key_play(tmp_path: Path, config_dir: Path) -> Path:
+    extracted = tmp_path / "extracted"
+    tasks = [
+        _include("triton", "admin_key.yml"),
+        # What the readiness wait sends (written here only to compare it).
+        {"name": "Write what the role read", "ansible.builtin.copy":
+            {"content": "{{ _triton_service_admin_key }}", "dest": str(extracted), "mode": "0600"},
+         "no_log": True, "when": "not ansible_check_mode"},
+        # The role's handler would restart a tritonserver this machine does not run.
+        {"name": "Stop before handlers", "ansible.builtin.meta": "end_play"},
+    ]
+    return _play(tmp_path, tasks, {"llmhost_venv_dir": str(VENV), "triton_service_config_dir": str(config_dir)},
+                 "admin-key")
+
+
+def _run(book: Path, *args: str) -> PlaybookRun:
+    run = ansible_playbook("-i", "localhost,", *args, str(book))
+    assert run.rc == 0, run.output
+    return run
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the key file is root's: needs root")
+def test_admin_key_is_made_once_root_only_and_never_printed(tmp_path: Path) -> None:
+    config_dir = tmp_path / "etc"
+    config_dir.mkdir()
+    key_file = config_dir / "tritonserver-admin-key.env"
+    book = _key_play(tmp_path, config_dir)
+
+    dry = _run(book, "--check", "--diff", "-vvv")
+    assert dry.recap()["localhost"]["changed"] == 1, dry.output
+    assert not key_file.exists()
+
+    first = _run(book, "-vvv")
+    assert first.recap()["localhost"]["changed"] >= 1, first.output
+    st = key_file.stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o600, 0, 0)
+    key = read_key(key_file)
+    assert (tmp_path / "extracted").read_text() == key
+    text = key_file.read_text()
+
+    # Drift in mode or owner is repaired; the key stays.
+    key_file.chmod(0o644)
+    again = _run(book, "-vvv")
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and key_file.read_text() == text
+    steady = _run(book, "-vvv")
+    assert steady.recap()["localhost"]["changed"] == 0, steady.output
+    check = _run(book, "--check", "--diff", "-vvv")
+    assert check.recap()["localhost"]["changed"] == 0, check.output
+    for run in (dry, first, again, steady, check):
+        assert key not in run.output
+    assert json.dumps(key) not in first.output
+
+
+def test_argument_specs_document_the_metrics_bind_address() -> None:
+    spec = load_yaml(REPO / "roles" / "llmhost" / "meta" / "argument_specs.yml")["argument_specs"]["main"]
+    option = spec["options"]["llmhost_metrics_bind_address"]
+    assert option["type"] == "str" and option["default"] == "127.0.0.1"
+    defaults = load_yaml(REPO / "roles" / "llmhost" / "defaults" / "main.yml")
+    assert defaults["llmhost_metrics_bind_address"] == "127.0.0.1"
