@@ -43,7 +43,7 @@ test-e2e: setup
 # Every test: lint, unit, Ansible decision tests, monitoring (promtool, dashboards),
 # e2e (real tritonserver + vLLM) and system (a booted Debian 12 host provisioned
 # with site.yml). Debian packages it needs: prometheus (monitoring-deps);
-# systemd-container and debootstrap (installed by scripts/testhost.py).
+# systemd-container and debootstrap (installed by tests/harness/rootfs.py).
 test: setup monitoring-deps lint
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible" $(VENV)/bin/pytest --durations=40 tests
 
@@ -62,6 +62,6 @@ bench-compare: setup
 
 # Not part of `make test`: 10 minutes at concurrency 32, prints errors and RSS growth.
 soak: setup
-	$(PY) scripts/soak.py
+	$(PY) -m tests.harness.soak
 
 .PHONY: soak

@@ -1,5 +1,5 @@
 # `make demo`: provision a freshly booted Debian 12 host (systemd-nspawn, see
-# scripts/testhost.py) with site.yml over SSH, exactly as a real server, then
+# tests/harness, `python -m tests.harness`) with site.yml over SSH, as a real server, then
 # smoke-test the Triton endpoint it serves (profile cpu, the tiny model).
 # `make demo-down`: stop the host and remove everything it left.
 #
@@ -18,7 +18,7 @@ DEMO_PLAYBOOK ?= site.yml
 DEMO_ANSIBLE_ARGS ?=
 DEMO_STATE_BASE ?= .cache/testhost/hosts
 DEMO_DIR := $(DEMO_STATE_BASE)/$(DEMO_NAME)
-TESTHOST := $(PYTHON) scripts/testhost.py
+TESTHOST := $(PYTHON) -m tests.harness
 DEMO_URL := http://127.0.0.1:$(DEMO_HTTP_PORT)
 DEMO_PROMETHEUS_PORT ?= 19090
 DEMO_NODE_EXPORTER_PORT ?= 19100
@@ -41,7 +41,7 @@ demo: demo-smoke
 	@echo "  OpenAI   $(DEMO_GATEWAY_URL)   (llmhost gateway; API key in $(DEMO_GATEWAY_KEY_FILE))"
 	@echo "  grafana  not installed in the demo (no package source here); dashboards staged in the host under /var/lib/llmhost-monitoring/grafana"
 	@echo "  ssh      ssh -i $$($(TESTHOST) status --name $(DEMO_NAME) --state $(DEMO_STATE_BASE) | $(PYTHON) -c 'import json,sys; print(json.load(sys.stdin)["ssh_key"])') -p $(DEMO_SSH_PORT) -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null root@127.0.0.1"
-	@echo "  shell    $(PYTHON) scripts/testhost.py exec --state $(DEMO_STATE_BASE) --name $(DEMO_NAME) -- systemctl status tritonserver"
+	@echo "  shell    $(TESTHOST) exec --state $(DEMO_STATE_BASE) --name $(DEMO_NAME) -- systemctl status tritonserver"
 	@echo
 	@echo "Try it:"
 	@echo "  curl -s -X POST $(DEMO_URL)/v2/models/$(DEMO_MODEL)/generate \\"

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from gpu_lifecycle_check import GRPC, HTTP, METRICS, MODEL, URL, alive, log, ready, tree, wait
+
+from llmhost.gpucheck.lifecycle import GRPC, HTTP, METRICS, MODEL, URL, alive, log, ready, tree, wait
 
 STREAMS, TOKENS = 32, 400
 

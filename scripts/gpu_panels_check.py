@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Run every GPU panel query of the dashboards against a real Prometheus that scrapes
-a real tritonserver with GPU metrics (used on a GPU host; stdlib only).
+a real tritonserver with GPU metrics (used on a GPU host; stdlib and llmhost only).
 
 Usage: gpu_panels_check.py PROMETHEUS_BINARY TRITON_METRICS_HOST:PORT OUT.json
 Starts Prometheus on 127.0.0.1:19990 with a throwaway TSDB, scrapes the target every
@@ -18,10 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.monitoring._prom import panel_queries, query, substitute
+from llmhost.promql import panel_queries, query, substitute
 
 PORT = 19990
+# The repository's dashboards, beside this script (src/ must be importable too).
+DASHBOARDS = Path(__file__).resolve().parents[1] / "monitoring" / "grafana" / "dashboards"
 
 
 def main() -> int:
@@ -46,7 +47,7 @@ def main() -> int:
             time.sleep(2)
         time.sleep(70)  # enough samples for rate()/increase() over Grafana's 1m $__rate_interval
         results, failed = [], []
-        for q in panel_queries():
+        for q in panel_queries(DASHBOARDS):
             if not q.gpu:
                 continue
             expr = substitute(q.expr, {"instance": "gpu-host", "model": ".*"})

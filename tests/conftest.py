@@ -1,17 +1,10 @@
-"""Shared test helpers: free ports and the tiny model (made once per session)."""
+"""Shared fixtures: the tiny model (made once per session). Helpers are in tests/harness."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from llmhost.smoke import parse_sse
-from tests.e2e._endpoint import Endpoint as Server
+from tests.harness.endpoint import Endpoint as Server
 
 
 def generate(server: Server, **body: Any) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e._server import Server, start_server, wait_gone
+from tests.harness.server import Server, start_server, wait_gone
 
 
 @pytest.fixture(scope="session")

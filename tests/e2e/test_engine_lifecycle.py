@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from llmhost.smoke import parse_sse
-from tests.e2e._server import READY_TIMEOUT_S, Server, start_server, wait_gone
+from tests.harness.server import READY_TIMEOUT_S, Server, start_server, wait_gone
 
 # Bounds that tell an answer from a hang; not speed targets.
 NOTICE_BOUND_S = 60

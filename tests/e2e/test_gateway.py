@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from llmhost.gateway.keys import hash_key
-from tests.conftest import free_port
+from tests.harness.net import free_port
 
 KEY = "test-key-0123456789abcdef"
 CAPPED_KEY = "capped-key-0123456789abcdef"

@@ -3,8 +3,8 @@ zero errors, every stream complete, memory bounded."""
 
 from __future__ import annotations
 
-from tests.e2e._load import assert_clean_and_bounded, run_load, tree_rss_mib
-from tests.e2e._server import Server
+from tests.harness.load import assert_clean_and_bounded, run_load, tree_rss_mib
+from tests.harness.server import Server
 
 
 def test_short_load_at_concurrency_32(server: Server) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.e2e._server import Server, start_server, wait_gone
+from tests.harness.server import Server, start_server, wait_gone
 
 BIG_LIMIT = 24_000_000
 

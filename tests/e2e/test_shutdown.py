@@ -16,7 +16,7 @@ import requests
 from llmhost.gateway.mapping import BackendRequest
 from llmhost.gateway.upstream import Upstream
 from llmhost.smoke import parse_sse
-from tests.e2e._server import Server, start_server, wait_gone
+from tests.harness.server import Server, start_server, wait_gone
 
 
 def _names(procs: list[psutil.Process]) -> set[str]:

@@ -15,6 +15,7 @@ import tritonclient.grpc as grpcclient
 
 from llmhost.backend.metrics import series_names
 from tests.e2e._client import stream
+from tests.harness.paths import ROOT
 
 
 def _wait_metric(server, series: str, predicate, timeout_s: float = 20.0, **labels: str) -> float:
@@ -105,7 +106,7 @@ def test_every_documented_metric_is_exported(server):
     assert server.metric("vllm:generation_tokens_total") > 0
     assert server.metric("vllm:request_success_total", finished_reason="length") > 0
     assert server.metric("vllm:time_to_first_token_seconds_count") > 0
-    readme = (Path(__file__).parents[2] / "docs" / "monitoring.md").read_text()
+    readme = (ROOT / "docs" / "monitoring.md").read_text()
     for name in series_names():
         base = name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
         assert f"`{base}" in readme, f"{base} is not documented in docs/monitoring.md"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.monitoring._prom import FIXTURES, Prometheus, Recording, tsdb_from
+from tests.harness.prom import FIXTURES, Prometheus, Recording, tsdb_from
 
 CPU_HOST = "cpu-host"
 GPU_HOST = "gpu-host"

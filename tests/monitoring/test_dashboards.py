@@ -3,62 +3,54 @@ query parses and returns data in a real Prometheus over the recorded expositions
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-from types import ModuleType
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tests.monitoring._prom import (
-    DASHBOARDS_DIR,
-    FIXTURES,
+from llmhost.promql import (
     GRAFANA_BUILTINS,
-    MONITORING,
     PanelQuery,
     api,
     dashboards,
-    exposition_names,
     has_data,
-    metric_names,
     panel_queries,
     panels,
     query,
     substitute,
     variables_in,
 )
+from tests.harness.prom import DASHBOARDS_DIR, FIXTURES, MONITORING, exposition_names, metric_names
 from tests.monitoring.conftest import CPU_HOST, GPU_HOST, Replay
 
 # Every panel is fed by a fixture (dcgm-exporter's is constructed, see its header).
 NOT_RECORDED: set[str] = set()
-QUERIES = panel_queries()
+QUERIES = panel_queries(DASHBOARDS_DIR)
 ALL = {"instance": ".*", "model": ".*"}
 
 
-def builder() -> ModuleType:
-    path = MONITORING / "grafana" / "build_dashboards.py"
-    spec = importlib.util.spec_from_file_location("build_dashboards", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_three_dashboards_with_distinct_uids():
-    ds = dashboards()
+    ds = dashboards(DASHBOARDS_DIR)
     assert set(ds) == {"llmhost-serving.json", "llmhost-triton.json", "llmhost-host.json"}
     uids = [d["uid"] for d in ds.values()]
     assert len(set(uids)) == len(uids)
 
 
-def test_committed_json_is_what_the_builder_writes():
-    rendered = builder().render_all()
+def test_committed_json_is_what_the_builder_writes(tmp_path: Path):
+    # The builder is a script (monitoring/ is no package): run it, writing into tmp_path.
+    subprocess.run([sys.executable, str(MONITORING / "grafana" / "build_dashboards.py"), "--out", str(tmp_path)],
+                   check=True, timeout=300)
+    rendered = {p.name: p.read_text() for p in tmp_path.glob("*.json")}
+    assert set(rendered) == set(dashboards(DASHBOARDS_DIR))
     for name, text in rendered.items():
         assert (DASHBOARDS_DIR / name).read_text() == text, (
             f"{name} is out of date: run .venv/bin/python monitoring/grafana/build_dashboards.py")
 
 
-@pytest.mark.parametrize("name", sorted(dashboards()))
+@pytest.mark.parametrize("name", sorted(dashboards(DASHBOARDS_DIR)))
 def test_dashboard_is_a_lossless_grafana_dashboard_model(name: str):
     """grafana-foundation-sdk parses the JSON into its typed model (enums checked, unknown
     keys dropped); writing the model back must give the same JSON."""
@@ -83,9 +75,9 @@ def test_the_model_check_catches_a_misspelt_field():
     assert json.loads(json.dumps(Dashboard.from_json(data), cls=JSONEncoder)) != data
 
 
-@pytest.mark.parametrize("name", sorted(dashboards()))
+@pytest.mark.parametrize("name", sorted(dashboards(DASHBOARDS_DIR)))
 def test_panels_are_complete(name: str):
-    d = dashboards()[name]
+    d = dashboards(DASHBOARDS_DIR)[name]
     ids = [p["id"] for p in d["panels"]] + [c["id"] for p in d["panels"] for c in p.get("panels", [])]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     cells: set[tuple[int, int]] = set()
@@ -115,9 +107,9 @@ def test_panels_are_complete(name: str):
         assert values == sorted(values), f"{where}: thresholds out of order"
 
 
-@pytest.mark.parametrize("name", sorted(dashboards()))
+@pytest.mark.parametrize("name", sorted(dashboards(DASHBOARDS_DIR)))
 def test_variables(name: str):
-    d = dashboards()[name]
+    d = dashboards(DASHBOARDS_DIR)[name]
     variables = {v["name"]: v for v in d["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     assert variables["instance"]["type"] == "query" and variables["instance"]["includeAll"]
@@ -140,7 +132,7 @@ def test_queries_select_metrics_our_exporters_export():
 
 
 def test_serving_dashboard_covers_the_issue():
-    titles = {p["title"] for p in panels(dashboards()["llmhost-serving.json"])}
+    titles = {p["title"] for p in panels(dashboards(DASHBOARDS_DIR)["llmhost-serving.json"])}
     for want in ("Requests/s by finish reason", "Failed requests/s by reason", "End-to-end latency",
                  "Time to first token", "Inter-token latency", "Tokens/s", "Prompt length", "Generation length",
                  "Running and waiting requests", "KV-cache use", "Finish reasons", "Cancelled requests/s"):
@@ -188,7 +180,7 @@ def _label_values(replay: Replay, definition: str, values: dict[str, str]) -> se
 
 
 def test_variable_queries_list_hosts_and_models(replay: Replay):
-    for name, d in dashboards().items():
+    for name, d in dashboards(DASHBOARDS_DIR).items():
         variables = {v["name"]: v for v in d["templating"]["list"]}
         assert _label_values(replay, variables["instance"]["query"], ALL) == {CPU_HOST, GPU_HOST}, name
         if "model" in variables:

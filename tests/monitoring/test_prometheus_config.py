@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from tests.monitoring._prom import REPO, promtool
+from tests.harness.paths import ROOT
+from tests.harness.prom import promtool
 
 PLAYBOOK = Path(__file__).resolve().parent / "render_prometheus.yml"
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
@@ -32,10 +33,10 @@ def inventory(tmp_path: Path, hosts: dict[str, dict[str, Any]], monitoring: str)
 
 def render(tmp_path: Path, inv: Path, **extra: Any) -> subprocess.CompletedProcess[str]:
     out = tmp_path / "out"
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
     return subprocess.run(
         [str(ANSIBLE_PLAYBOOK), "-i", str(inv), str(PLAYBOOK), "-e", json.dumps({"out_dir": str(out), **extra})],
-        text=True, capture_output=True, cwd=REPO, env=env, timeout=300, check=False,
+        text=True, capture_output=True, cwd=ROOT, env=env, timeout=300, check=False,
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.monitoring._prom import REPO
+from tests.harness.paths import ROOT
 
 ROLES = ("node_exporter", "prometheus", "grafana", "smoke")
 PHASES = ("preflight", "install", "configure", "service")
@@ -26,7 +26,7 @@ def load(path: Path) -> Any:
 
 @pytest.mark.parametrize("role", ROLES)
 def test_every_default_has_an_argument_spec(role: str):
-    base = REPO / "roles" / role
+    base = ROOT / "roles" / role
     defaults = load(base / "defaults" / "main.yml")
     options = load(base / "meta" / "argument_specs.yml")["argument_specs"]["main"]["options"]
     assert set(defaults) == set(options)
@@ -38,12 +38,12 @@ def test_every_default_has_an_argument_spec(role: str):
 
 @pytest.mark.parametrize("role", ROLES)
 def test_private_vars_are_prefixed(role: str):
-    assert all(k.startswith(f"_{role}_") for k in load(REPO / "roles" / role / "vars" / "main.yml"))
+    assert all(k.startswith(f"_{role}_") for k in load(ROOT / "roles" / role / "vars" / "main.yml"))
 
 
 @pytest.mark.parametrize("role", ROLES)
 def test_phases_are_tagged_and_handlers_listen(role: str):
-    base = REPO / "roles" / role
+    base = ROOT / "roles" / role
     main = load(base / "tasks" / "main.yml")
     tagged = {t["tags"][0] for t in main}
     assert tagged <= set(PHASES) and {"preflight", "configure", "service"} <= tagged
@@ -55,20 +55,20 @@ def test_phases_are_tagged_and_handlers_listen(role: str):
 
 @pytest.mark.parametrize("role", ROLES)
 def test_templates_carry_the_managed_header(role: str):
-    for t in (REPO / "roles" / role / "templates").glob("*.j2"):
+    for t in (ROOT / "roles" / role / "templates").glob("*.j2"):
         if t.name == "targets.yml.j2":
             continue  # data for the prometheus.yml template, not a file on the host
         assert t.read_text().startswith("{{ ansible_managed | comment }}"), t
-    for t in (REPO / "monitoring").rglob("*.j2"):
+    for t in (ROOT / "monitoring").rglob("*.j2"):
         assert t.read_text().startswith("{{ ansible_managed | comment }}"), t
 
 
 def preflight(role: str, tmp_path: Path, **extra: Any) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
     return subprocess.run(
         [str(ANSIBLE_PLAYBOOK), "-i", "localhost,", str(Path(__file__).parent / "preflight.yml"),
          "-e", json.dumps({"role_under_test": role, "ansible_python_interpreter": sys.executable, **extra})],
-        text=True, capture_output=True, cwd=REPO, env=env, timeout=300, check=False,
+        text=True, capture_output=True, cwd=ROOT, env=env, timeout=300, check=False,
     )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.monitoring._prom import (
+from tests.harness.prom import (
     FIXTURES,
     RULE_TESTS_DIR,
     RULES_DIR,

@@ -37,7 +37,9 @@ import pytest
 import yaml
 
 from tests.ansible._helpers import parse_recap
-from tests.monitoring._prom import REPO, free_port, promtool, tool
+from tests.harness.net import free_port
+from tests.harness.paths import ROOT
+from tests.harness.prom import promtool, tool
 
 PLAYBOOK = Path(__file__).resolve().parent / "render_roles.yml"
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
@@ -128,12 +130,12 @@ def render(work: Path, monitoring: dict[str, Any] | None = None, others: dict[st
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o755)
     inv = inventory(work, {"node_exporter_web_listen_address": "127.0.0.1:9100", **(monitoring or {})}, others)
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_HOME": str(REPO / ".cache" / "ansible")}
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_HOME": str(ROOT / ".cache" / "ansible")}
     variables = {"out_dir": str(out), "prometheus_node_exporter_groups": ["monitoring"], **paths(out), **extra}
     r = subprocess.run(
         [str(ANSIBLE_PLAYBOOK), "-i", str(inv), str(PLAYBOOK), "-e", json.dumps(variables)],
-        text=True, capture_output=True, cwd=REPO, env=env, timeout=300, check=False,
+        text=True, capture_output=True, cwd=ROOT, env=env, timeout=300, check=False,
     )
     return Rendered(r.returncode, r.stdout + r.stderr, out)
 
@@ -516,7 +518,7 @@ def test_grafana_bad_settings_are_refused(work: Path, settings: dict[str, str], 
 
 
 def test_grafana_secret_key_option_says_it_must_be_kept():
-    spec = yaml.safe_load((REPO / "roles/grafana/meta/argument_specs.yml").read_text())
+    spec = yaml.safe_load((ROOT / "roles/grafana/meta/argument_specs.yml").read_text())
     option = spec["argument_specs"]["main"]["options"]["grafana_secret_key"]
     assert option["no_log"] is True and option["default"] == ""
     assert "unreadable" in " ".join(option["description"])

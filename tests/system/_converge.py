@@ -16,9 +16,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from _host import BootedHost, free_port
+from tests.harness.booted import BootedHost
+from tests.harness.net import free_port
+from tests.harness.paths import ROOT
 
-REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 CONVERGE_TIMEOUT_S = 2400
 # llmhost_metrics_bind_address of the converge: not 127.0.0.1, so the tests see
@@ -42,12 +43,12 @@ class Converged:
 
 def run_playbook(inventory: Path, extra_vars: Path, pip_vars: Path, playbook: str,
                  *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_FORCE_COLOR": "0"}
     return subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "-e", f"@{REPO / 'inventory' / 'demo.yml'}",
+        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "-e", f"@{ROOT / 'inventory' / 'demo.yml'}",
          "-e", f"@{pip_vars}", "-e", f"@{extra_vars}", *args, playbook],
-        cwd=REPO, env=env, text=True, capture_output=True, timeout=CONVERGE_TIMEOUT_S, check=False,
+        cwd=ROOT, env=env, text=True, capture_output=True, timeout=CONVERGE_TIMEOUT_S, check=False,
     )
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
-from _converge import Converged
-from _host import BootedHost
-from tests.e2e._endpoint import Endpoint
+from tests.harness.booted import BootedHost
+from tests.harness.endpoint import Endpoint
+from tests.system._converge import Converged
 
 UNIT = "tritonserver"
 USER = "llmhost"

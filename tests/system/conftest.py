@@ -1,26 +1,23 @@
 """Fixtures for the system tests: a booted systemd host (systemd-nspawn).
 
 Every test under tests/system gets the ``system`` marker. ``booted_host`` never
-skips: when the host cannot be booted the tests error with testhost.py's output.
+skips: when the host cannot be booted the tests error with the host tool's output.
 """
 
 from __future__ import annotations
 
 import atexit
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
 import pytest
 
-SYSTEM_DIR = Path(__file__).resolve().parent
-if str(SYSTEM_DIR) not in sys.path:  # tests/system is no package; any import mode works
-    sys.path.insert(0, str(SYSTEM_DIR))
+from tests.harness.booted import BootedHost, HostError
+from tests.system._converge import Converged, converge
 
-from _converge import Converged, converge  # noqa: E402
-from _host import BootedHost, HostError  # noqa: E402
+SYSTEM_DIR = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -27,11 +27,12 @@ from typing import Any
 import pytest
 import requests
 import yaml
-from _converge import REPO, Converged, run_playbook
-from _host import BootedHost
-from _unit import MODEL, USER, endpoint, processes, props, shm_segments, unit_pids, wait_ready
 
 from llmhost.smoke import parse_sse
+from tests.harness.booted import BootedHost
+from tests.harness.paths import ROOT
+from tests.system._converge import Converged, run_playbook
+from tests.system._unit import MODEL, USER, endpoint, processes, props, shm_segments, unit_pids, wait_ready
 
 # Generous bounds that define the behaviour, not performance targets.
 RECOVERY_TIMEOUT_S = 300  # triton_service_ready_timeout_s: how long the play itself waits
@@ -42,7 +43,7 @@ FAULTS_DIR = "/srv/llmhost-faults"  # scratch space in the host
 
 
 def _demo_models() -> list[dict[str, Any]]:
-    return list(yaml.safe_load((REPO / "inventory" / "demo.yml").read_text())["llmhost_models"])
+    return list(yaml.safe_load((ROOT / "inventory" / "demo.yml").read_text())["llmhost_models"])
 
 
 def _vars(c: Converged, path: Path, **extra: Any) -> Path:
@@ -301,7 +302,7 @@ def test_stop_drains_streams_in_flight_then_stops(converged: Converged):
         if state != {"ActiveState": "inactive", "Result": "success"}:  # no exit 1, no SIGKILL on timeout
             journal = host.exec("journalctl -u tritonserver --no-pager -o short-precise -n 400").stdout
             keep = re.compile(r"Timeout \d+|draining|drain time|exit|Exit|error|Error|failed|Stopp|signal|Killing")
-            (Path(__file__).parents[2] / ".cache" / "drain-stop-journal.txt").write_text(journal)
+            (ROOT / ".cache" / "drain-stop-journal.txt").write_text(journal)
             raise AssertionError(f"{state}; the TCP connections of Triton's HTTP port {sockets.late}\n"
                                  "the stop's journal (all of it in .cache/drain-stop-journal.txt):\n"
                                  + "\n".join(line[-300:] for line in journal.splitlines() if keep.search(line))[-6000:])

@@ -15,9 +15,10 @@ import time
 
 import pytest
 import requests
-from _converge import METRICS_ADDRESS, Converged
-from _unit import props
-from tests.monitoring._prom import api
+
+from llmhost.promql import api
+from tests.system._converge import METRICS_ADDRESS, Converged
+from tests.system._unit import props
 
 UNIT = "llmhost-gateway"
 SERVICE = f"{UNIT}.service"

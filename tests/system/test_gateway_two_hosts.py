@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import requests
-from _converge import METRICS_ADDRESS, Converged, changed_tasks, converge, recap, run_playbook
-from _host import NAME_PREFIX, BootedHost, free_port
+
+from tests.harness.booted import NAME_PREFIX, BootedHost
+from tests.harness.net import free_port
+from tests.system._converge import METRICS_ADDRESS, Converged, changed_tasks, converge, recap, run_playbook
 
 MODEL = "tiny"
 READY_TIMEOUT_S = 300

@@ -13,33 +13,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
-from _host import REPO_ROOT, BootedHost
+
+from tests.ansible import test_nvidia_driver as sim
+from tests.harness.booted import BootedHost
+from tests.harness.paths import ROOT
 
 FAKE_SYS = "/tmp/llmhost-fakesys"
-
-
-def _load_shared() -> ModuleType:
-    path = REPO_ROOT / "tests" / "ansible" / "test_nvidia_driver.py"
-    spec = importlib.util.spec_from_file_location("llmhost_nvidia_driver_sim", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-sim = _load_shared()
 
 
 def test_driver_decisions_for_simulated_hosts(booted_host: BootedHost, tmp_path: Path):
@@ -73,11 +60,11 @@ def test_driver_decisions_for_simulated_hosts(booted_host: BootedHost, tmp_path:
 
 
 def _gpu_play(host: BootedHost, inventory: Path, *extra: str) -> str:
-    env = {**os.environ, "ANSIBLE_HOME": str(REPO_ROOT / ".cache" / "ansible"), "ANSIBLE_NOCOLOR": "1",
+    env = {**os.environ, "ANSIBLE_HOME": str(ROOT / ".cache" / "ansible"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
            "PATH": f"{sim.PLAYBOOK_BIN.parent}:{os.environ.get('PATH', '')}"}
     proc = subprocess.run([str(sim.PLAYBOOK_BIN), "-i", str(inventory), *extra, "playbooks/gpu.yml"],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 

@@ -15,16 +15,10 @@ import urllib.request
 
 import pytest
 import requests
-from _converge import Converged, recap, run_playbook
-from tests.monitoring._prom import (
-    DASHBOARDS_DIR,
-    api,
-    dashboards,
-    has_data,
-    panel_queries,
-    query,
-    substitute,
-)
+
+from llmhost.promql import api, dashboards, has_data, panel_queries, query, substitute
+from tests.harness.prom import DASHBOARDS_DIR
+from tests.system._converge import Converged, recap, run_playbook
 
 MODEL = "tiny"
 GRAFANA_STAGING = "/var/lib/llmhost-monitoring/grafana"
@@ -147,7 +141,7 @@ def test_smoke_metrics_reach_prometheus(monitored: Converged):
 def test_every_dashboard_query_returns_data(monitored: Converged):
     """After the traffic above: every non-GPU panel has data; GPU panels parse and are empty."""
     values = {"instance": monitored.host.name, "model": MODEL}
-    queries = panel_queries()
+    queries = panel_queries(DASHBOARDS_DIR)
     assert len(queries) > 40
 
     def check():  # type: ignore[no-untyped-def]
@@ -166,7 +160,7 @@ def test_every_dashboard_query_returns_data(monitored: Converged):
 
 
 def test_dashboard_variables_list_the_host_and_model(monitored: Converged):
-    for name, d in dashboards().items():
+    for name, d in dashboards(DASHBOARDS_DIR).items():
         for v in d["templating"]["list"]:
             if v["type"] != "query":
                 continue

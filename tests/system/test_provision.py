@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _converge import Converged, changed_tasks, recap, run_playbook
-from _unit import props, wait_ready
+from tests.system._converge import Converged, changed_tasks, recap, run_playbook
+from tests.system._unit import props, wait_ready
 
 LLMHOST = Path(sys.executable).parent / "llmhost"
 

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 import requests
 import yaml
-from _converge import METRICS_ADDRESS, REPO, Converged
-from _host import BootedHost
 
 from llmhost.admin_key import GRPC_HEADER, HEADER, parse_key
+from tests.harness.booted import BootedHost
+from tests.harness.paths import ROOT
+from tests.system._converge import METRICS_ADDRESS, Converged
 
 # Documented in docs/reliability.md. Measured on the booted host (profile cpu):
 # tritonserver 1.5 (9.2 without its hardening block), llmhost-smoke@ 1.6 (9.6),
@@ -81,10 +82,10 @@ def test_exposure_is_low_and_lower_than_without_hardening(converged: Converged, 
 def test_triton_binds_loopback_by_default(converged: Converged):
     """Inference (HTTP, gRPC) on the default 127.0.0.1; metrics on the converge's
     llmhost_metrics_bind_address, METRICS_ADDRESS, and only there."""
-    defaults = yaml.safe_load((REPO / "roles" / "llmhost" / "defaults" / "main.yml").read_text())
+    defaults = yaml.safe_load((ROOT / "roles" / "llmhost" / "defaults" / "main.yml").read_text())
     assert defaults["llmhost_bind_address"] == "127.0.0.1"
     assert defaults["llmhost_metrics_bind_address"] == "127.0.0.1"
-    demo = yaml.safe_load((REPO / "inventory" / "demo.yml").read_text())
+    demo = yaml.safe_load((ROOT / "inventory" / "demo.yml").read_text())
     assert "llmhost_bind_address" not in demo and "llmhost_bind_address" not in converged.extra_vars.read_text()
     r = converged.host.exec(["ss", "-Hltnp"], check=True)
     triton = [line.split()[3] for line in r.stdout.splitlines() if '"tritonserver"' in line]
@@ -271,7 +272,7 @@ def _derived(names: set[str], safe: frozenset[str] = frozenset()) -> set[str]:
     """NAMES plus every role variable whose value mentions one of them (to a fixed point),
     except the SAFE ones."""
     defs: dict[str, str] = {}
-    for f in [*REPO.glob("roles/*/vars/main.yml"), *REPO.glob("roles/*/defaults/main.yml")]:
+    for f in [*ROOT.glob("roles/*/vars/main.yml"), *ROOT.glob("roles/*/defaults/main.yml")]:
         for k, v in (yaml.safe_load(f.read_text()) or {}).items():
             defs[k] = yaml.safe_dump(v)
     out = set(names)
@@ -292,7 +293,7 @@ def test_no_task_can_log_a_secret():
     assert "_triton_service_admin_key" in secrets  # Triton's admin key reaches the readiness wait this way
     assert "_model_repository_hub_env" not in secrets  # the downloads' environment holds no token
     offenders, seen = [], 0
-    for f in sorted(REPO.glob("roles/*/tasks/*.yml")) + sorted(REPO.glob("roles/*/handlers/*.yml")):
+    for f in sorted(ROOT.glob("roles/*/tasks/*.yml")) + sorted(ROOT.glob("roles/*/handlers/*.yml")):
         for task in _tasks(yaml.safe_load(f.read_text())):
             exposed = {k: v for k, v in task.items() if k not in ("when", "no_log", "name", "that")}
             if "ansible.builtin.assert" in task:
@@ -304,7 +305,7 @@ def test_no_task_can_log_a_secret():
             if used:
                 seen += 1
                 if not task.get("no_log"):
-                    offenders.append(f"{f.relative_to(REPO)}: {task.get('name')} ({', '.join(used)})")
+                    offenders.append(f"{f.relative_to(ROOT)}: {task.get('name')} ({', '.join(used)})")
     assert seen > 0
     assert not offenders, "tasks that can log a secret:\n" + "\n".join(offenders)
 
@@ -314,8 +315,8 @@ def test_secrets_have_no_default_and_are_marked_no_log():
                        ("model_repository", "model_repository_modelscope_token"), ("grafana", "grafana_secret_key"),
                        ("grafana", "grafana_datasource_basic_auth_password"),
                        ("prometheus", "prometheus_scrape_basic_auth_password"), ("gateway", "gateway_api_keys")):
-        spec = yaml.safe_load((REPO / "roles" / role / "meta" / "argument_specs.yml").read_text())
+        spec = yaml.safe_load((ROOT / "roles" / role / "meta" / "argument_specs.yml").read_text())
         option = spec["argument_specs"]["main"]["options"][name]
         assert option.get("no_log") is True, (role, name)
-        defaults = yaml.safe_load((REPO / "roles" / role / "defaults" / "main.yml").read_text()) or {}
+        defaults = yaml.safe_load((ROOT / "roles" / role / "defaults" / "main.yml").read_text()) or {}
         assert not defaults.get(name), f"{name} has a default value"

@@ -1,5 +1,5 @@
 """Bad input at scale and a short load against the booted host's tritonserver unit,
-the way clients reach a real server: the e2e fuzzer (tests/e2e/_fuzz.py, 2,000
+the way clients reach a real server: the e2e fuzzer (tests/harness/fuzz.py, 2,000
 cases per endpoint for HTTP /generate and gRPC), 100 clients disconnecting
 mid-stream, and 30 s at concurrency 32 with zero errors and the memory of the
 unit's control group bounded. The unit must neither restart nor crash meanwhile."""
@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from _converge import Converged
-from _unit import endpoint, props, unit_rss_mib, wait_ready
-from tests.e2e._endpoint import Endpoint
-from tests.e2e._fuzz import EXAMPLES, disconnect_mid_stream, fuzz_grpc, fuzz_http_generate
-from tests.e2e._load import assert_clean_and_bounded, run_load
+
+from tests.harness.endpoint import Endpoint
+from tests.harness.fuzz import EXAMPLES, disconnect_mid_stream, fuzz_grpc, fuzz_http_generate
+from tests.harness.load import assert_clean_and_bounded, run_load
+from tests.system._converge import Converged
+from tests.system._unit import endpoint, props, unit_rss_mib, wait_ready
 
 LOAD_S = 30
 

@@ -33,11 +33,11 @@ from llmhost.cuda import (
     parse_smi_q,
     parse_smi_table_gpus,
 )
+from tests.harness.paths import FIXTURES, ROOT
 
-REPO = Path(__file__).resolve().parents[2]
-FIX = REPO / "tests" / "fixtures" / "gpu"
+FIX = ROOT / "tests" / "fixtures" / "gpu"
 H100 = FIX / "h100-580.159.04-real"
-MATRIX_FILE = REPO / "src" / "llmhost" / "data" / "cuda_matrix.json"
+MATRIX_FILE = ROOT / "src" / "llmhost" / "data" / "cuda_matrix.json"
 
 # The vLLM releases of the matrix and the pins each one's wheel metadata gives
 # (Requires-Dist torch==, torchvision==, torchaudio==); the default stays 0.32.0,
@@ -314,7 +314,7 @@ def test_default_release_stays_and_the_other_is_selectable(matrix: cuda.Matrix):
 def test_matrix_file_pins_agree_with_the_project(matrix: cuda.Matrix):
     release = matrix.release()
     assert release.vllm == DEFAULT_VLLM and release.torch == "2.13.0"
-    pyproject = (REPO / "pyproject.toml").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'gpu = ["vllm=={release.vllm}"]' in pyproject
 
 
@@ -460,7 +460,7 @@ def test_gpu_info_unknown_release_says_which_exist(capsys: pytest.CaptureFixture
 def test_runs_as_a_plain_script_without_site_packages(vllm: str | None):
     """The roles run cuda.py with the target's python3 before any venv exists."""
     proc = subprocess.run(
-        [sys.executable, "-I", "-S", str(REPO / "src" / "llmhost" / "cuda.py"),
+        [sys.executable, "-I", "-S", str(ROOT / "src" / "llmhost" / "cuda.py"),
          "--matrix-json", MATRIX_FILE.read_text(), "--from-dir", str(H100), "--compact",
          *(["--vllm", vllm] if vllm else [])],
         capture_output=True, text=True, timeout=60, check=False)
@@ -481,7 +481,7 @@ def test_device_run_recording_is_consistent():
 
     from llmhost.cuda import choose, detect_from_dir, load_matrix
 
-    run = Path(__file__).parents[1] / "fixtures" / "gpu" / "h100-580.159.04-real"
+    run = FIXTURES / "gpu" / "h100-580.159.04-real"
     recorded = json.loads((run / "device-run-2026-11-22" / "gpu-info.json").read_text())
     assert recorded["status"] == "match" and recorded["match"]["tag"] == "cu130"
     info = detect_from_dir(run)
@@ -502,13 +502,15 @@ def test_device_run_gpu_panels_returned_data():
     runs them over a constructed dcgm-exporter exposition)."""
     import json
 
-    from tests.monitoring._prom import panel_queries, substitute
+    from llmhost.promql import panel_queries, substitute
+    from tests.harness.prom import DASHBOARDS_DIR
 
-    rec = json.loads((Path(__file__).parents[1] / "fixtures" / "gpu" / "h100-580.159.04-real"
+    rec = json.loads((FIXTURES / "gpu" / "h100-580.159.04-real"
                       / "device-run-2026-11-22" / "gpu-panels.json").read_text())
     assert rec["failed"] == []
     by_expr = {r["expr"]: r for r in rec["results"]}
-    current = [substitute(q.expr, {"instance": "gpu-host", "model": ".*"}) for q in panel_queries() if q.gpu]
+    current = [substitute(q.expr, {"instance": "gpu-host", "model": ".*"})
+               for q in panel_queries(DASHBOARDS_DIR) if q.gpu]
     assert current and {e for e in current if "nv_" in e} == {e for e in by_expr if "nv_" in e}
     for expr, row in by_expr.items():
         assert row["status"] == 200
@@ -525,7 +527,7 @@ def test_device_run_role_preflights_on_the_real_h100():
 
     from llmhost.cuda import choose, load_matrix, parse_smi_header
 
-    rec = Path(__file__).parents[1] / "fixtures" / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-22-roles"
+    rec = FIXTURES / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-22-roles"
     assert 'VERSION_ID="24.04"' in (rec / "os-release.txt").read_text()
     driver, cuda = parse_smi_header((rec / "nvidia-smi.txt").read_text())
     assert cuda is not None

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+from tests.harness.paths import ROOT
+
+README = ROOT / "README.md"
 README_MAX_BYTES = 15_000
-DOCS = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "CHANGELOG.md"]
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "CHANGELOG.md"]
 FENCE = re.compile(r"```.*?```", re.S)
 
 
@@ -64,7 +65,7 @@ def broken_links(doc: Path) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(REPO)) for d in DOCS])
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
 def test_relative_links_resolve(doc: Path) -> None:
     assert not broken_links(doc)
 

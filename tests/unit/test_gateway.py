@@ -430,7 +430,7 @@ def test_a_client_that_disconnects_cancels_the_upstream_request(stream):
 
 def test_an_unreachable_upstream_is_503():
     from llmhost.gateway.upstream import Upstream
-    from tests.conftest import free_port
+    from tests.harness.net import free_port
 
     up = Upstream(f"127.0.0.1:{free_port()}", timeout_s=2)
 

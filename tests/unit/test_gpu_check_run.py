@@ -10,14 +10,15 @@ from __future__ import annotations
 import copy
 import json
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).parents[2]
+from llmhost.gpucheck import check as gpu_check
+from tests.harness.paths import ROOT
+
 RUN = ROOT / "tests" / "fixtures" / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-24-check"
 KINDS = ("KIND_GPU", "KIND_MODEL")
 LEAKS = ("Traceback", 'File "', "/site-packages/")
@@ -25,8 +26,6 @@ CHECKS = {"served", "smoke", "bad_input", "structured", "cancellation", "gpu_met
 SMOKE_CHECKS = {"server live", "server ready", "model ready", "generate", "generate_stream (SSE)", "gRPC stream",
                 "metrics"}
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_check  # noqa: E402
 
 
 def _result() -> dict:

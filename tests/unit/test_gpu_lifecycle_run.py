@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
-RUN = Path(__file__).parents[1] / "fixtures" / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-23-lifecycle"
+from tests.harness.paths import FIXTURES
+
+RUN = FIXTURES / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-23-lifecycle"
 LEAKS = ("Traceback", 'File "', "/site-packages/")
 
 

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[2]
+from llmhost.gpucheck import speed as gpu_speed
+from tests.harness.paths import ROOT
+
 RUN = ROOT / "tests" / "fixtures" / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-24-speed2"
 LEVELS = [1, 16, 64, 256]
 SIDES = ("triton", "vllm", "grouped")
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_speed  # noqa: E402
 
 
 def _result() -> dict:

@@ -12,10 +12,7 @@ from pathlib import Path
 import pytest
 
 from llmhost.backend import engine
-
-ROOT = Path(__file__).parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_speed  # noqa: E402
+from llmhost.gpucheck import speed as gpu_speed
 
 
 def test_task_stat_and_schedstat_parsing():

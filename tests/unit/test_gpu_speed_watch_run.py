@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[2]
+from llmhost.gpucheck import speed as gpu_speed
+from tests.harness.paths import ROOT
+
 REAL = ROOT / "tests" / "fixtures" / "gpu" / "h100-580.159.04-real"
 APART = REAL / "device-run-2026-11-25-apart"
 VARIANTS = REAL / "device-run-2026-11-25-variants"
 LEVELS = [16, 256]
 TRITON_SIDES = ("triton", "uvloop", "variant")
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_speed  # noqa: E402
 
 
 def _result(run: Path) -> dict:

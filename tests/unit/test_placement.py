@@ -21,8 +21,7 @@ from llmhost.placement import (
     plan,
     shares_by_gpu,
 )
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.harness.paths import ROOT
 
 
 def refused(models: list[dict[str, Any]], gpu_count: int, profile: str = "gpu") -> list[str]:
@@ -156,7 +155,7 @@ def test_command(capsys: pytest.CaptureFixture[str], tmp_path: Path):
 
 
 def test_runs_as_a_plain_script_without_site_packages():
-    proc = subprocess.run([sys.executable, "-I", "-S", str(REPO / "src" / "llmhost" / "placement.py"),
+    proc = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "src" / "llmhost" / "placement.py"),
                            "--models-json", '[{"name": "a"}]', "--gpu-count", "1"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr

@@ -44,7 +44,7 @@ def test_textfile_metrics(tmp_path):
 
 def test_smoke_cli_against_nothing_fails_and_writes_textfile(tmp_path):
     from llmhost.cli import main
-    from tests.conftest import free_port
+    from tests.harness.net import free_port
 
     path = tmp_path / "s.prom"
     rc = main(["smoke", "--url", f"http://127.0.0.1:{free_port()}", "--no-grpc", "--model", "m",

@@ -27,14 +27,13 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from llmhost.gpucheck import check as gpu_check
 from llmhost.layout import make_model_dir
 from llmhost.placement import KIND_MODEL, PlacementError, plan
+from tests.harness.paths import ROOT
 
-ROOT = Path(__file__).parents[2]
 RUN = ROOT / "tests" / "fixtures" / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-24-check"
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_check  # noqa: E402
 
 # --- the roles and `llmhost placement` ---------------------------------------------------
 

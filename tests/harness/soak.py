@@ -1,7 +1,7 @@
-#!/usr/bin/env python3
-"""`make soak`: concurrency 32 for 10 minutes against a fresh `llmhost serve` on the
-tiny model; prints requests, errors, tokens/s and the server's RSS at start and end.
-Not a test: numbers only (docs/reliability.md holds a run's figures)."""
+"""`make soak` (`python -m tests.harness.soak`): concurrency 32 for 10 minutes against a
+fresh `llmhost serve` on the tiny model; prints requests, errors, tokens/s and the
+server's RSS at start and end. Not a test: numbers only (docs/reliability.md holds a
+run's figures)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.e2e._load import run_load, tree_rss_mib
-from tests.e2e._server import start_server
-
 from llmhost.tiny_model import write_tiny_model
+from tests.harness.load import run_load, tree_rss_mib
+from tests.harness.server import start_server
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--concurrency", type=int, default=32)
     args = ap.parse_args()

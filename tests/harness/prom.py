@@ -1,40 +1,29 @@
-"""Helpers for the monitoring tests: promtool, a throwaway Prometheus, dashboard queries.
+"""Prometheus for the tests: promtool, a throwaway Prometheus, recorded expositions
+replayed as a TSDB, and the names a PromQL expression or an exposition holds.
 
 Debian's `prometheus` package provides /usr/bin/prometheus and /usr/bin/promtool
 (the test setup installs it; see mk/monitoring.mk). Nothing here installs anything.
+The dashboards' queries and the HTTP query API are llmhost.promql's.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
-import socket
 import subprocess
 import time
-import urllib.error
-import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-MONITORING = REPO / "monitoring"
+from tests.harness.net import free_port
+from tests.harness.paths import ROOT
+
+MONITORING = ROOT / "monitoring"
 RULES_DIR = MONITORING / "prometheus" / "rules"
 RULE_TESTS_DIR = MONITORING / "prometheus" / "tests"
 DASHBOARDS_DIR = MONITORING / "grafana" / "dashboards"
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-
-# Grafana's built-in variables, as a query over the last hour would see them.
-GRAFANA_BUILTINS = {
-    "__rate_interval": "1m",
-    "__interval": "15s",
-    "__range": "1h",
-}
-# Metric name prefixes that only GPU hosts (Triton's GPU metrics, NVIDIA DCGM) export.
-GPU_METRIC = re.compile(r"\b(nv_gpu_\w+|nv_energy_\w+|DCGM_\w+)")
+FIXTURES = ROOT / "tests" / "monitoring" / "fixtures"
 
 
 def tool(name: str) -> str:
@@ -53,73 +42,7 @@ def promtool(*args: str | Path, cwd: Path | None = None) -> subprocess.Completed
                           timeout=120, check=False)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# --- dashboards --------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PanelQuery:
-    dashboard: str
-    panel_id: int
-    title: str
-    ref_id: str
-    expr: str
-    instant: bool
-
-    @property
-    def gpu(self) -> bool:
-        return bool(GPU_METRIC.search(self.expr))
-
-    def __str__(self) -> str:
-        return f"{self.dashboard} #{self.panel_id} {self.title!r} {self.ref_id}: {self.expr}"
-
-
-def dashboards() -> dict[str, dict[str, Any]]:
-    return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS_DIR.glob("*.json"))}
-
-
-def panels(dashboard: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
-    """Every panel, rows' collapsed children included, rows themselves left out."""
-    for p in dashboard.get("panels", []):
-        if p.get("type") == "row":
-            yield from p.get("panels", [])
-        else:
-            yield p
-
-
-def panel_queries() -> list[PanelQuery]:
-    out = []
-    for name, d in dashboards().items():
-        for p in panels(d):
-            for t in p.get("targets", []):
-                out.append(PanelQuery(name, int(p["id"]), str(p.get("title", "")), str(t.get("refId", "")),
-                                      str(t.get("expr", "")), bool(t.get("instant", False))))
-    return out
-
-
-_VAR = re.compile(r"\$(\w+)|\$\{(\w+)(?::\w+)?\}|\[\[(\w+)\]\]")
-
-
-def variables_in(expr: str) -> set[str]:
-    return {a or b or c for a, b, c in _VAR.findall(expr)}
-
-
-def substitute(expr: str, values: Mapping[str, str]) -> str:
-    """Grafana's variable substitution (plain $var, ${var}, ${var:fmt}, [[var]])."""
-    allv = {**GRAFANA_BUILTINS, **values}
-
-    def repl(m: re.Match[str]) -> str:
-        name = m.group(1) or m.group(2) or m.group(3)
-        if name not in allv:
-            raise KeyError(f"no value for ${name}")
-        return allv[name]
-
-    return _VAR.sub(repl, expr)
-
+# --- names in PromQL and in expositions ----------------------------------------------------
 
 _KEYWORDS = {
     "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset",
@@ -203,40 +126,6 @@ class Prometheus:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def api(url: str, path: str, params: Mapping[str, str] | None = None, timeout: float = 30) -> tuple[int, Any]:
-    """GET <url>/api/v1/<path>: (HTTP status, decoded JSON body)."""
-    query = "?" + urllib.parse.urlencode(params) if params else ""
-    try:
-        with urllib.request.urlopen(f"{url}/api/v1/{path}{query}", timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        body = exc.read()
-        try:
-            return exc.code, json.loads(body)
-        except ValueError:
-            return exc.code, {"error": body.decode(errors="replace")}
-
-
-def query(url: str, expr: str, at: float | None = None) -> tuple[int, Any]:
-    params = {"query": expr}
-    if at is not None:
-        params["time"] = f"{at:.3f}"
-    return api(url, "query", params)
-
-
-def query_range(url: str, expr: str, start: float, end: float, step: str = "15s") -> tuple[int, Any]:
-    return api(url, "query_range", {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": step})
-
-
-def has_data(body: Any) -> bool:
-    """A query result with at least one series (or a scalar)."""
-    data = body.get("data", {}) if isinstance(body, dict) else {}
-    result = data.get("result")
-    if data.get("resultType") == "scalar":
-        return result is not None
-    return bool(result)
 
 
 # --- recorded expositions as a TSDB ------------------------------------------------------------

@@ -1,16 +1,16 @@
 """A booted Debian 12 host with systemd as PID 1, for the system tests.
 
-Thin, typed wrapper around ``scripts/testhost.py`` (systemd-nspawn + overlayfs,
-sshd on 127.0.0.1:<port>). The system tests drive it the way an operator drives a
-real server: Ansible over SSH with the inventory written here, then checks with
-``exec`` (nsenter) or ``ssh``.
+Thin, typed wrapper around ``python -m tests.harness`` (tests/harness/cli.py:
+systemd-nspawn + overlayfs, sshd on 127.0.0.1:<port>), run as a child process.
+The system tests drive it the way an operator drives a real server: Ansible
+over SSH with the inventory written here, then checks with ``exec`` (nsenter)
+or ``ssh``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,8 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TESTHOST = REPO_ROOT / "scripts" / "testhost.py"
+from tests.harness.net import free_port
+from tests.harness.paths import ROOT
+from tests.harness.pipconf import pip_role_vars
+
+# The test host tool, run from the repository's root with this interpreter (it is stdlib-only).
+TESTHOST = [sys.executable, "-m", "tests.harness"]
 NAME_PREFIX = "llmhost-sys-"
 ROOTFS_TIMEOUT_S = 900.0
 UP_TIMEOUT_S = 300.0
@@ -28,7 +32,7 @@ DOWN_TIMEOUT_S = 120.0
 
 
 class HostError(RuntimeError):
-    """testhost.py failed; the message carries its stderr."""
+    """The test host tool failed; the message carries its stderr."""
 
 
 def _seconds(span: str) -> float:
@@ -44,10 +48,10 @@ def _seconds(span: str) -> float:
 
 
 def testhost(*args: str, timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``scripts/testhost.py ARGS`` with this interpreter (it is stdlib-only)."""
-    cmd = [sys.executable, str(TESTHOST), *args]
+    """Run ``python -m tests.harness ARGS`` with this interpreter."""
+    cmd = [*TESTHOST, *args]
     try:
-        proc = subprocess.run(cmd, text=True, capture_output=True, timeout=timeout, check=False)
+        proc = subprocess.run(cmd, text=True, capture_output=True, timeout=timeout, check=False, cwd=ROOT)
     except subprocess.TimeoutExpired as exc:
         err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
         raise HostError(f"timed out after {timeout:.0f}s: {' '.join(cmd)}\n{err}") from exc
@@ -58,29 +62,9 @@ def testhost(*args: str, timeout: float, check: bool = True) -> subprocess.Compl
     return proc
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def pip_config() -> dict[str, Any]:
-    """The machine's pip configuration as ``testhost.py pip-config`` reads it."""
+    """The machine's pip configuration as ``python -m tests.harness pip-config`` reads it."""
     return dict(json.loads(testhost("pip-config", timeout=60).stdout))
-
-
-def pip_role_vars(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The python_env role's pip variables for this machine's pip configuration
-    (the same function `testhost.py pip-config --vars-file` uses)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("testhost", Path(__file__).parents[2] / "scripts" / "testhost.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("testhost", module)
-    spec.loader.exec_module(module)
-    return dict(module.pip_role_vars(dict(cfg)))
 
 
 @dataclass
@@ -132,7 +116,7 @@ class BootedHost:
                 raise
             state_dir = Path(info["state_dir"])
             vars_file = state_dir / "pip.yml"
-            vars_file.write_text(json.dumps(pip_role_vars(cfg), indent=2) + "\n")
+            vars_file.write_text(json.dumps(pip_role_vars(dict(cfg)), indent=2) + "\n")
             return cls(
                 name=info["name"],
                 ssh_port=int(info["ssh_port"]),
@@ -168,7 +152,8 @@ class BootedHost:
         """
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         proc = subprocess.run(
-            [sys.executable, str(TESTHOST), "exec", "--name", self.name, "--", *argv],
+            [*TESTHOST, "exec", "--name", self.name, "--", *argv],
+            cwd=ROOT,
             text=True,
             capture_output=True,
             timeout=timeout,
@@ -201,7 +186,8 @@ class BootedHost:
         """Start ``sh -c CMD`` inside the host without waiting; its stdin, stdout and
         stderr are text pipes (``communicate()`` sends input and collects output)."""
         return subprocess.Popen(
-            [sys.executable, str(TESTHOST), "exec", "--name", self.name, "--", "sh", "-c", cmd],
+            [*TESTHOST, "exec", "--name", self.name, "--", "sh", "-c", cmd],
+            cwd=ROOT,
             text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
 

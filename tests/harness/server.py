@@ -12,8 +12,8 @@ from pathlib import Path
 
 import psutil
 
-from tests.conftest import free_port
-from tests.e2e._endpoint import Endpoint
+from tests.harness.endpoint import Endpoint
+from tests.harness.net import free_port
 
 READY_TIMEOUT_S = 300
 # What `llmhost serve` prints once it has seen the model ready.

@@ -22,7 +22,7 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e._endpoint import Endpoint
+from tests.harness.endpoint import Endpoint
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "2000"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
