@@ -5,17 +5,12 @@ the role itself on simulated hosts."""
 from __future__ import annotations
 
 import base64
-import importlib.util
 from typing import Any
 
 import pytest
+from filter_plugins import llmhost_nvidia as nvidia
 
-from tests.ansible._helpers import REPO, ROLES, load_yaml
-
-_SPEC = importlib.util.spec_from_file_location("llmhost_nvidia", REPO / "filter_plugins" / "llmhost_nvidia.py")
-assert _SPEC and _SPEC.loader
-nvidia = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(nvidia)
+from tests.ansible._helpers import ROLES, load_yaml
 
 VARS = load_yaml(ROLES / "nvidia_driver" / "vars" / "main.yml")
 DEFAULTS = load_yaml(ROLES / "nvidia_driver" / "defaults" / "main.yml")
