@@ -30,6 +30,7 @@ from typing import Any
 
 from llmhost.admin_key import HEADER as ADMIN_HEADER
 from llmhost.admin_key import ensure_key_file, restriction
+from llmhost.backend.config import BackendSettings
 from llmhost.backend.watchdog import describe_exit
 from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir, render
 from llmhost.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop, remove_stop_files
@@ -51,9 +52,10 @@ class ServeOptions:
     workdir: Path | None = None
     device: str = "auto"  # auto | cpu | gpu
     max_model_len: int | None = None
-    default_max_tokens: int = 512
-    max_n: int = 8
-    drain_timeout_s: float = 30.0
+    # The backend's defaults (BackendSettings), not restated.
+    default_max_tokens: int = BackendSettings.default_max_tokens
+    max_n: int = BackendSettings.max_n
+    drain_timeout_s: float = BackendSettings.drain_timeout_s
     kv_cache_gib: int = 1
     engine_args: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)  # model.json's "llmhost" settings
