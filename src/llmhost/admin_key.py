@@ -86,10 +86,14 @@ def ensure_key_file(path: Path) -> tuple[str, bool]:
     return key, True
 
 
+def restriction(key: str) -> str:
+    """The value of tritonserver's *-restricted-* flags that puts RESTRICTED_APIS behind KEY."""
+    return f"{','.join(RESTRICTED_APIS)}:{HEADER}={key}"
+
+
 def restriction_args(key: str) -> list[str]:
     """tritonserver's flags that put RESTRICTED_APIS behind KEY on HTTP and gRPC."""
-    groups = ",".join(RESTRICTED_APIS)
-    return [f"--http-restricted-api={groups}:{HEADER}={key}", f"--grpc-restricted-protocol={groups}:{HEADER}={key}"]
+    return [f"--http-restricted-api={restriction(key)}", f"--grpc-restricted-protocol={restriction(key)}"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmhost.backend.config import BackendSettings
+
 
 def _key_value(text: str) -> tuple[str, Any]:
     if "=" not in text:
@@ -45,9 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workdir", type=Path, help="where to lay out backends/ and models/ (default: a temp dir)")
     s.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     s.add_argument("--max-model-len", type=int)
-    s.add_argument("--default-max-tokens", type=int, default=512)
-    s.add_argument("--max-n", type=int, default=8)
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain on shutdown")
+    # The backend's defaults (llmhost.backend.config.BackendSettings), not restated.
+    s.add_argument("--default-max-tokens", type=int, default=BackendSettings.default_max_tokens)
+    s.add_argument("--max-n", type=int, default=BackendSettings.max_n)
+    s.add_argument("--drain-timeout", type=float, default=BackendSettings.drain_timeout_s,
+                   help="seconds to drain on shutdown")
     s.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
     s.add_argument("--engine-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="extra vLLM engine argument (value parsed as JSON when it can be)")

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from llmhost.admin_key import HEADER as ADMIN_HEADER
-from llmhost.admin_key import ensure_key_file, restriction_args
+from llmhost.admin_key import ensure_key_file, restriction
+from llmhost.backend.config import BackendSettings
 from llmhost.backend.watchdog import describe_exit
-from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir
+from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir, render
 from llmhost.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop, remove_stop_files
 from llmhost.stopserver import free_http_port
 
@@ -51,9 +52,10 @@ class ServeOptions:
     workdir: Path | None = None
     device: str = "auto"  # auto | cpu | gpu
     max_model_len: int | None = None
-    default_max_tokens: int = 512
-    max_n: int = 8
-    drain_timeout_s: float = 30.0
+    # The backend's defaults (BackendSettings), not restated.
+    default_max_tokens: int = BackendSettings.default_max_tokens
+    max_n: int = BackendSettings.max_n
+    drain_timeout_s: float = BackendSettings.drain_timeout_s
     kv_cache_gib: int = 1
     engine_args: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)  # model.json's "llmhost" settings
@@ -106,25 +108,31 @@ def server_environment(workdir: Path, device: str, kv_cache_gib: int, triton: Tr
     return env
 
 
+def tritonserver_argv(**values: Any) -> list[str]:
+    """tritonserver's argv from the template the triton role's unit renders too
+    (templates/tritonserver.args.j2, which lists VALUES): one argument per line."""
+    return [line for line in render("tritonserver.args.j2", sep="\n", **values).split("\n") if line]
+
+
 def server_command(triton: TritonInstall, workdir: Path, opts: ServeOptions, device: str,
                    admin_key: str) -> list[str]:
-    return [
-        str(triton.server),
-        f"--model-repository={workdir / 'models'}",
-        f"--backend-directory={workdir / 'backends'}",
-        f"--http-address={opts.host}", f"--http-port={opts.http_port}",
-        f"--grpc-address={opts.host}", f"--grpc-port={opts.grpc_port}",
-        f"--metrics-address={opts.metrics_host}", f"--metrics-port={opts.metrics_port}",
-        f"--allow-gpu-metrics={'true' if device == 'gpu' else 'false'}",
+    """tritonserver's argv for llmhost serve (tritonserver_argv)."""
+    return tritonserver_argv(
+        server=str(triton.server),
+        model_repository=str(workdir / "models"),
+        backend_directory=str(workdir / "backends"),
+        address=opts.host, http_port=opts.http_port, grpc_port=opts.grpc_port,
+        metrics_address=opts.metrics_host, metrics_port=opts.metrics_port,
+        gpu_metrics=device == "gpu",
         # Triton waits this long for in-flight requests on shutdown; our backend
         # drains for drain_timeout_s and vLLM needs about 5 s to stop.
-        f"--exit-timeout-secs={int(opts.drain_timeout_s) + 30}",
-        "--strict-readiness=true",
+        exit_timeout_s=int(opts.drain_timeout_s) + 30,
         # Health, metadata and inference stay open; every other API needs the key.
-        *restriction_args(admin_key),
-        f"--log-verbose={opts.log_verbose}",
-        *opts.triton_args,
-    ]
+        restriction=restriction(admin_key),
+        exit_on_error=None,  # Triton's default (true): a model that fails stops it
+        log_verbose=opts.log_verbose,
+        extra_args=opts.triton_args,
+    )
 
 
 def prepare(opts: ServeOptions) -> tuple[list[str], dict[str, str], Path]:

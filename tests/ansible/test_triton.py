@@ -100,6 +100,38 @@ def test_smoke_probe_reads_metrics_at_the_metrics_address(tmp_path: Path) -> Non
     assert "key" not in unit.lower()  # the probe uses no admin API
 
 
+# What the unit's tritonserver command line has that llmhost serve's has not, on
+# purpose: serve leaves --exit-on-error at Triton's default (true: a model that fails
+# stops it, and serve reports that), the role sets triton_service_exit_on_error.
+UNIT_ONLY = ["--exit-on-error=false"]
+
+
+def test_unit_and_llmhost_serve_render_one_command_line(tmp_path: Path) -> None:
+    """Both render src/llmhost/templates/tritonserver.args.j2; from the same inputs
+    they give the same argv, in the same order, but for UNIT_ONLY (the admin key is
+    passed to serve as the unit's ${VAR}, which systemd expands)."""
+    from llmhost.layout import TritonInstall
+    from llmhost.serve import ServeOptions, server_command
+
+    root = tmp_path / "llmhost"
+    extra = ["--http-thread-count=32", "--log-info=false"]
+    unit = _render(tmp_path, "triton", str(REPO / "roles" / "triton" / "templates" / "tritonserver.service.j2"),
+                   {"llmhost_venv_dir": str(VENV), "llmhost_triton_dir": str(root),
+                    "llmhost_model_repository_dir": str(root / "models"),
+                    "llmhost_bind_address": "0.0.0.0", "llmhost_allow_public_triton": True,
+                    "llmhost_metrics_bind_address": "127.0.0.2", "triton_http_port": 9000,
+                    "triton_grpc_port": 9001, "triton_metrics_port": 9002, "llmhost_drain_timeout_s": 45,
+                    "triton_service_log_verbose": 2, "triton_service_extra_args": extra})
+    opts = ServeOptions(model=tmp_path, host="0.0.0.0", metrics_host="127.0.0.2", http_port=9000, grpc_port=9001,
+                        metrics_port=9002, drain_timeout_s=45, log_verbose=2, triton_args=extra)
+    triton = TritonInstall(server=root / "bin" / "tritonserver", python_backend=root / "backends" / "python",
+                           stub=root / "stub")
+    serve = server_command(triton, root, opts, "cpu", f"${{{ENV_NAME}}}")
+    argv = _exec_start(unit)
+    assert [a for a in argv if a not in UNIT_ONLY] == serve
+    assert all(a in argv for a in UNIT_ONLY)
+
+
 # -- the admin key tasks ------------------------------------------------------------------
 
 

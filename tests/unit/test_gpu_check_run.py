@@ -178,12 +178,16 @@ def test_kind_model_entry_takes_the_roles_defaults():
 
 
 def test_kind_model_server_gets_the_units_flags():
-    unit = (ROOT / "roles" / "triton" / "templates" / "tritonserver.service.j2").read_text()
-    exec_start = unit[unit.index("ExecStart="):unit.index("--log-verbose=") + len("--log-verbose=")]
-    flags = set(re.findall(r"(--[a-z-]+)=", exec_start))
+    # The unit renders the package's command line template (tests/ansible/test_triton.py
+    # compares it with llmhost serve's); the script must pass the roles' default values.
+    template = (ROOT / "src" / "llmhost" / "templates" / "tritonserver.args.j2").read_text()
+    flags = set(re.findall(r"(--[a-z-]+)=", template))
+    triton = yaml.safe_load((ROOT / "roles" / "triton" / "defaults" / "main.yml").read_text())
     cmd = gpu_check.unit_command(SimpleNamespace(server=Path("/x/tritonserver")), Path("/m"), Path("/b"), "k" * 32)
     assert {arg.split("=", 1)[0] for arg in cmd[1:]} == flags
-    assert "--exit-on-error=false" in cmd and "--allow-gpu-metrics=true" in cmd
+    assert f"--exit-on-error={str(triton['triton_service_exit_on_error']).lower()}" in cmd
+    assert f"--log-verbose={triton['triton_service_log_verbose']}" in cmd and not triton["triton_service_extra_args"]
+    assert "--allow-gpu-metrics=true" in cmd
     assert f"--exit-timeout-secs={gpu_check.ROLE_DEFAULTS['drain_timeout_s'] + 30}" in cmd
 
 
