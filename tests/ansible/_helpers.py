@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.harness.paths import ROOT
+
+REPO = ROOT
 ROLES = REPO / "roles"
 BIN = Path(sys.executable).parent
 

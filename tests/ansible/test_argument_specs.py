@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROLES = sorted(p for p in (Path(__file__).resolve().parents[2] / "roles").iterdir() if p.is_dir())
+from tests.harness.paths import ROOT
+
+ROLES = sorted(p for p in (ROOT / "roles").iterdir() if p.is_dir())
 
 
 @pytest.mark.parametrize("role", ROLES, ids=[r.name for r in ROLES])

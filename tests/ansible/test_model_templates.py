@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from llmhost.layout import render
+from tests.harness.paths import ROOT
 
 from ._helpers import ansible_playbook
 
@@ -29,7 +30,7 @@ TP2 = {**MODEL, "name": "big", "kind": "KIND_MODEL", "gpus": [2, 3], "settings":
 @pytest.mark.parametrize("template", ["model.json.j2", "config.pbtxt.j2"])
 def test_a_kind_model_models_gpus_reach_the_backend_not_triton(template: str, tmp_path: Path) -> None:
     out = tmp_path / template.removesuffix(".j2")
-    src = Path(__file__).resolve().parents[2] / "src" / "llmhost" / "templates" / template
+    src = ROOT / "src" / "llmhost" / "templates" / template
     play = [{"hosts": "localhost", "gather_facts": False, "connection": "local",
              "vars": {"ansible_python_interpreter": sys.executable},
              "tasks": [{"name": "Render", "ansible.builtin.template": {"src": str(src), "dest": str(out),
@@ -49,7 +50,7 @@ def test_a_kind_model_models_gpus_reach_the_backend_not_triton(template: str, tm
 @pytest.mark.parametrize("template", ["model.json.j2", "config.pbtxt.j2"])
 def test_ansible_renders_what_serve_renders_without_warnings(template: str, tmp_path: Path) -> None:
     out = tmp_path / template.removesuffix(".j2")
-    src = Path(__file__).resolve().parents[2] / "src" / "llmhost" / "templates" / template
+    src = ROOT / "src" / "llmhost" / "templates" / template
     play = [{"hosts": "localhost", "gather_facts": False, "connection": "local",
              "vars": {"ansible_python_interpreter": sys.executable},
              "tasks": [{"name": "Render", "ansible.builtin.template": {"src": str(src), "dest": str(out),

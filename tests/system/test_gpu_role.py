@@ -22,16 +22,17 @@ from typing import Any
 
 import pytest
 
-from tests.ansible import test_nvidia_driver as sim
+from tests.harness import driver_sim as sim
 from tests.harness.booted import BootedHost
 from tests.harness.paths import ROOT
+from tests.harness.sysfs import Sysfs
 
 FAKE_SYS = "/tmp/llmhost-fakesys"
 
 
 def test_driver_decisions_for_simulated_hosts(booted_host: BootedHost, tmp_path: Path):
     script = "".join(s.script(f"{FAKE_SYS}/{name}") for name, (s, _) in sim.SCENARIOS.items())
-    script += sim.Sysfs(gpus=2).script(f"{FAKE_SYS}/real-facts")
+    script += Sysfs(gpus=2).script(f"{FAKE_SYS}/real-facts")
     booted_host.exec(["sh", "-c", script], check=True)
     kernel = booted_host.exec("uname -r", check=True).stdout.strip()
 

@@ -13,8 +13,8 @@ import yaml
 from llmhost.backend.config import BackendSettings
 from llmhost.cli import build_parser
 from llmhost.serve import ServeOptions
+from tests.harness.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("default_max_tokens", "max_n", "drain_timeout_s")
 
 

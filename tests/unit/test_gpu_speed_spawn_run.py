@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import statistics
-from pathlib import Path
 
 import pytest
 
-RUN = Path(__file__).parents[2] / "tests" / "fixtures" / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-25-spawn"
+from tests.harness.paths import FIXTURES
+
+RUN = FIXTURES / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-25-spawn"
 LEVELS = [1, 16, 64, 256]
 SIDES = ("triton", "vllm", "variant")
 

@@ -123,14 +123,16 @@ def unit_environment(state: Path, triton: Any) -> dict[str, str]:
 
 
 def unit_command(triton: Any, repo: Path, backends: Path, key: str) -> list[str]:
-    """systemd/tritonserver.service.j2's ExecStart (exit timeout: the drain + 30 s)."""
-    from llmhost.admin_key import restriction_args
+    """The unit's ExecStart with the roles' defaults (profile gpu; exit timeout: the drain
+    + 30 s), from the template the unit renders (llmhost/templates/tritonserver.args.j2)."""
+    from llmhost.admin_key import restriction
+    from llmhost.serve import tritonserver_argv
 
-    return [str(triton.server), f"--model-repository={repo}", f"--backend-directory={backends}",
-            "--http-address=127.0.0.1", f"--http-port={HTTP}", "--grpc-address=127.0.0.1", f"--grpc-port={GRPC}",
-            "--metrics-address=127.0.0.1", f"--metrics-port={METRICS}", "--allow-gpu-metrics=true",
-            f"--exit-timeout-secs={ROLE_DEFAULTS['drain_timeout_s'] + 30}", "--strict-readiness=true",
-            *restriction_args(key), "--exit-on-error=false", "--log-verbose=0"]
+    return tritonserver_argv(server=str(triton.server), model_repository=str(repo), backend_directory=str(backends),
+                             address="127.0.0.1", http_port=HTTP, grpc_port=GRPC, metrics_address="127.0.0.1",
+                             metrics_port=METRICS, gpu_metrics=True,
+                             exit_timeout_s=ROLE_DEFAULTS["drain_timeout_s"] + 30, restriction=restriction(key),
+                             exit_on_error=False, log_verbose=0, extra_args=[])
 
 
 class Server:
