@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from llmhost.backend.config import BackendSettings
+from llmhost.placement import KINDS
 
 
 def _key_value(text: str) -> tuple[str, Any]:
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=_port, default=8002)
     s.add_argument("--workdir", type=Path, help="where to lay out backends/ and models/ (default: a temp dir)")
     s.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    s.add_argument("--kind", choices=KINDS, help="Triton instance kind (default: KIND_CPU on cpu, KIND_MODEL on "
+                   "gpu, the roles' rule; KIND_GPU pins each instance to one GPU)")
+    s.add_argument("--gpus", type=_gpu_list, metavar="0,1", help="GPU ids of the model (default: the server's)")
     s.add_argument("--max-model-len", type=int)
     # The backend's defaults (llmhost.backend.config.BackendSettings), not restated.
     s.add_argument("--default-max-tokens", type=int, default=BackendSettings.default_max_tokens)
@@ -103,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", type=Path, help="draw throughput and latency vs concurrency (PNG)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def _gpu_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU ids separated by commas, e.g. 0,1, got {text!r}") from None
+    if any(v < 0 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"GPU ids must be distinct and >= 0, got {text!r}")
+    return values
 
 
 def _int_list(text: str) -> list[int]:
@@ -221,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from llmhost.admin_key import AdminKeyError
         from llmhost.layout import LayoutError
+        from llmhost.placement import PlacementError
         from llmhost.serve import ServeOptions, run
 
         opts = ServeOptions(
@@ -230,10 +245,11 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
             max_n=args.max_n, drain_timeout_s=args.drain_timeout, kv_cache_gib=args.kv_cache_gib,
             engine_args=dict(args.engine_arg), settings=dict(args.setting), triton_args=list(args.triton_arg),
+            kind=args.kind, gpus=args.gpus,
         )
         try:
             return run(opts, max_restarts=args.max_restarts)
-        except (LayoutError, AdminKeyError) as exc:
+        except (LayoutError, AdminKeyError, PlacementError) as exc:
             print(f"llmhost serve: {exc}", file=sys.stderr)
             return 2
     if args.command == "smoke":

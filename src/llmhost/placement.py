@@ -1,4 +1,9 @@
-"""GPU placement of the models in the model repository, checked before anything starts.
+"""GPU placement of the models in the model repository: the one KIND rule, checked before anything starts.
+
+The model_repository role (filter ``llmhost_placement``) and ``llmhost serve`` both
+take a model's Triton instance kind and GPUs from ``plan``: KIND_CPU on profile cpu;
+on profile gpu KIND_MODEL unless the model asks for KIND_GPU (vLLM places the engine
+on the GPUs itself; KIND_GPU makes Triton pin each instance to one GPU).
 
 Per model (the entries of ``llmhost_models``): ``gpus`` (GPU ids), ``instance_count``
 (Triton model instances, one vLLM engine each), ``tensor_parallel_size`` and
@@ -11,10 +16,18 @@ the model and the GPU:
 * tensor_parallel_size > 1 with a kind other than KIND_MODEL (one engine spans
   its GPUs; Triton must not pin the instance to one), or with a ``gpus`` list that
   is not exactly tensor_parallel_size long;
+* on profile cpu, a GPU kind or ``gpus``;
 * memory shares adding up to more than 1.0 on a GPU: every instance places one
   engine taking ``gpu_memory_utilization`` of each GPU it uses (KIND_GPU: Triton
   makes ``instance_count`` instances on every listed GPU; KIND_MODEL: each of the
   ``instance_count`` engines spans all listed GPUs), summed over all models.
+
+``gpus`` given in the inventory are written into the model (config.pbtxt's ``gpus``
+under KIND_GPU, model.json's ``visible_gpus`` under KIND_MODEL); without them the
+engine sees the server's GPUs, and the shares are counted on the GPUs it will use
+(KIND_MODEL: the first tensor_parallel_size; KIND_GPU: every GPU, as Triton places
+an instance group without ``gpus`` on each). ``gpu_count`` None (not known, e.g. no
+NVIDIA GPU visible yet) leaves out the checks against the host's GPUs.
 
 Standard library only; runs as a script too (``python3 placement.py --gpu-count 2 models.json``).
 """
@@ -55,12 +68,14 @@ class Placement:
     tensor_parallel_size: int
     gpu_memory_utilization: float | None
     engine_args: Mapping[str, Any] = field(default_factory=dict)
+    # gpus came from the model's own ``gpus`` (the inventory), not from the defaults.
+    pinned: bool = False
 
     @property
     def cuda_visible_devices(self) -> str | None:
         """For KIND_MODEL: the GPUs the engine must see (CUDA_VISIBLE_DEVICES). KIND_GPU
         instances get their device from Triton (model_instance_device_id)."""
-        return ",".join(str(g) for g in self.gpus) if self.kind == KIND_MODEL else None
+        return ",".join(str(g) for g in self.gpus) if self.kind == KIND_MODEL and self.pinned else None
 
     def memory_shares(self) -> dict[int, float]:
         """Share of each GPU's memory this model's engines take, over all its instances."""
@@ -69,12 +84,16 @@ class Placement:
         return {g: self.instance_count * self.gpu_memory_utilization for g in self.gpus}
 
     def template_vars(self) -> dict[str, Any]:
-        """The keys config.pbtxt.j2 / model.json.j2 read from ``model``."""
-        return {"kind": self.kind, "gpus": list(self.gpus), "instance_count": self.instance_count,
-                "engine_args": dict(self.engine_args)}
+        """The keys config.pbtxt.j2 / model.json.j2 read from ``model`` (``gpus`` only when pinned)."""
+        out: dict[str, Any] = {"kind": self.kind, "instance_count": self.instance_count,
+                               "engine_args": dict(self.engine_args)}
+        if self.pinned:
+            out["gpus"] = list(self.gpus)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, **self.template_vars(), "tensor_parallel_size": self.tensor_parallel_size,
+        return {"name": self.name, **self.template_vars(), "gpus": list(self.gpus), "pinned": self.pinned,
+                "tensor_parallel_size": self.tensor_parallel_size,
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "cuda_visible_devices": self.cuda_visible_devices}
 
@@ -91,18 +110,22 @@ def _setting(model: Mapping[str, Any], engine_args: Mapping[str, Any], key: str,
     return top if top is not None else inner
 
 
-def plan(models: Sequence[Mapping[str, Any]], gpu_count: int, profile: str = "gpu") -> list[Placement]:
-    """Placements of the present models on a host with ``gpu_count`` GPUs; raises PlacementError."""
+def plan(models: Sequence[Mapping[str, Any]], gpu_count: int | None, profile: str = "gpu",
+         engine_args: Mapping[str, Any] | None = None) -> list[Placement]:
+    """Placements of the present models on a host with ``gpu_count`` GPUs (None: not known);
+    ``engine_args``: the profile's, under each model's own. Raises PlacementError."""
     if profile not in ("gpu", "cpu"):
         raise ValueError(f"profile must be gpu or cpu, got {profile!r}")
-    if not _is_int(gpu_count) or gpu_count < 0:
-        raise ValueError(f"gpu_count must be an integer >= 0, got {gpu_count!r}")
+    if gpu_count is not None and (not _is_int(gpu_count) or gpu_count < 0):
+        raise ValueError(f"gpu_count must be an integer >= 0 or None, got {gpu_count!r}")
     problems: list[str] = []
     out: list[Placement] = []
     for pos, model in enumerate(models):
         if model.get("state", "present") == "absent":
             continue
         name = str(model.get("name") or f"llmhost_models[{pos}]")
+        if engine_args and isinstance(model.get("engine_args") or {}, Mapping):
+            model = {**model, "engine_args": {**engine_args, **(model.get("engine_args") or {})}}
         p = _place(model, name, gpu_count, profile, problems)
         if p is not None:
             out.append(p)
@@ -113,10 +136,14 @@ def plan(models: Sequence[Mapping[str, Any]], gpu_count: int, profile: str = "gp
     return out
 
 
-def _place(model: Mapping[str, Any], name: str, gpu_count: int, profile: str,
+def _place(model: Mapping[str, Any], name: str, gpu_count: int | None, profile: str,
            problems: list[str]) -> Placement | None:
     before = len(problems)
-    engine_args = dict(model.get("engine_args") or {})
+    given_args = model.get("engine_args") or {}
+    if not isinstance(given_args, Mapping):
+        problems.append(f"model {name}: engine_args must be a dict, got {given_args!r}")
+        given_args = {}
+    engine_args = dict(given_args)
     count = model.get("instance_count", 1)
     if not _is_int(count) or count < 1:
         problems.append(f"model {name}: instance_count must be an integer >= 1, got {count!r}")
@@ -156,22 +183,26 @@ def _place(model: Mapping[str, Any], name: str, gpu_count: int, profile: str,
     if gpu_count == 0:
         problems.append(f"model {name}: llmhost_profile is gpu but the host has no GPU")
         return None
+    known = gpu_count is not None
     if kind == KIND_CPU:
         problems.append(f"model {name}: kind KIND_CPU on a GPU host (llmhost_profile gpu installs vLLM for CUDA); "
                         "use KIND_GPU or KIND_MODEL, or profile cpu")
-    if tp > gpu_count:
+    if known and tp > gpu_count:
         problems.append(f"model {name}: tensor_parallel_size {tp} needs {tp} GPUs, the host has {gpu_count}")
-    missing = [g for g in gpus if g >= gpu_count]
+    missing = [g for g in gpus if known and g >= gpu_count]
     if missing:
         problems.append(f"model {name}: gpus {gpus} names GPU {', '.join(map(str, missing))}, but the host has "
                         f"{gpu_count} GPU{'s' if gpu_count != 1 else ''} (ids 0-{gpu_count - 1})")
     if kind is None:
-        kind = KIND_MODEL if tp > 1 else KIND_GPU
+        kind = KIND_MODEL
     if tp > 1 and kind != KIND_MODEL:
         problems.append(f"model {name}: tensor_parallel_size {tp} needs kind KIND_MODEL (one vLLM engine spans "
                         f"{tp} GPUs; Triton must not pin the instance to one GPU), got {kind}")
-    if not gpus:
-        gpus = list(range(min(tp, gpu_count)))
+    pinned = bool(gpus)
+    if not pinned:
+        # What the engine will use: its first tensor_parallel_size GPUs (KIND_MODEL), or an
+        # instance on every GPU (KIND_GPU without gpus; unknown count: not counted).
+        gpus = list(range(tp)) if kind == KIND_MODEL else list(range(gpu_count or 0))
     elif kind == KIND_MODEL and len(gpus) != tp:
         problems.append(f"model {name}: tensor_parallel_size {tp} needs exactly {tp} GPU{'s' if tp != 1 else ''} "
                         f"in gpus, got {gpus}")
@@ -179,7 +210,7 @@ def _place(model: Mapping[str, Any], name: str, gpu_count: int, profile: str,
         return None
     util = DEFAULT_GPU_MEMORY_UTILIZATION if util is None else float(util)
     engine_args.update(tensor_parallel_size=tp, gpu_memory_utilization=util)
-    return Placement(name, kind, tuple(gpus), count, tp, util, engine_args)
+    return Placement(name, kind, tuple(gpus), count, tp, util, engine_args, pinned)
 
 
 def shares_by_gpu(placements: Sequence[Placement]) -> dict[int, list[tuple[str, float]]]:
@@ -215,7 +246,7 @@ def build_parser(prog: str = "llmhost placement") -> argparse.ArgumentParser:
                                 "config.pbtxt and model.json get, as JSON. Exit 0 valid, 1 refused.")
     p.add_argument("models", nargs="?", type=Path, help="JSON list of models (llmhost_models); default: stdin")
     p.add_argument("--models-json", metavar="JSON", help="the list itself, as a JSON string")
-    p.add_argument("--gpu-count", type=int, required=True, help="GPUs on the host")
+    p.add_argument("--gpu-count", type=int, help="GPUs on the host (default: not known, checks against it left out)")
     p.add_argument("--profile", choices=("gpu", "cpu"), default="gpu")
     return p
 

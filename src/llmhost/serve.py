@@ -33,6 +33,7 @@ from llmhost.admin_key import ensure_key_file, restriction
 from llmhost.backend.config import BackendSettings
 from llmhost.backend.watchdog import describe_exit
 from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir, render
+from llmhost.placement import plan
 from llmhost.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop, remove_stop_files
 from llmhost.stopserver import free_http_port
 
@@ -64,6 +65,15 @@ class ServeOptions:
     # The key of Triton's admin APIs (llmhost.admin_key); default WORKDIR/admin-key,
     # created with a new key if missing.
     admin_key_file: Path | None = None
+    # Triton instance kind and GPUs; None: llmhost.placement's rule (the roles' too).
+    kind: str | None = None
+    gpus: list[int] | None = None
+
+
+def gpu_count() -> int | None:
+    """NVIDIA GPUs the driver shows (/dev/nvidiaN); None when there are none to see."""
+    found = [p for p in Path("/dev").glob("nvidia[0-9]*") if p.name[len("nvidia"):].isdigit()]
+    return len(found) or None
 
 
 def detect_device() -> str:
@@ -78,11 +88,18 @@ def model_entry(opts: ServeOptions, device: str) -> dict[str, Any]:
     if opts.max_model_len:
         engine["max_model_len"] = opts.max_model_len
     engine.update(opts.engine_args)
+    wanted: dict[str, Any] = {"name": opts.name, "engine_args": engine}
+    if opts.kind is not None:
+        wanted["kind"] = opts.kind
+    if opts.gpus is not None:
+        wanted["gpus"] = opts.gpus
+    # The one KIND rule; raises PlacementError naming what is impossible.
+    (placed,) = plan([wanted], gpu_count() if device == "gpu" else 0, "cpu" if device == "cpu" else "gpu")
     return {
         "name": opts.name,
         "path": str(opts.model.resolve()),
-        "kind": "KIND_CPU" if device == "cpu" else "KIND_GPU",
-        "instance_count": 1,
+        **placed.template_vars(),
+        # The engine arguments as given: plan's explicit defaults stay vLLM's business.
         "engine_args": engine,
         "settings": dict(opts.settings),
         "default_max_tokens": opts.default_max_tokens,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import stat
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 
 from llmhost.cuda import DriverTooOldError, NoDriverError, choose, load_matrix, parse_smi_header
 from tests.ansible._helpers import REPO, PlaybookRun, ansible_playbook, unwrap
+from tests.harness.sysfs import Sysfs
 
 GPU_FIXTURES = REPO / "tests" / "fixtures" / "gpu"
 MATRIX = load_matrix()
@@ -376,3 +378,26 @@ def test_torch_version_is_checked_against_the_chosen_release(release_runs: dict[
     assert release_runs["0.20.2 with its torch"].rc == 0, release_runs["0.20.2 with its torch"].output
     assert_fails_naming(release_runs["0.20.2 with the default's torch"], "python_env_torch_version is 2.13.0",
                         "pins torch 2.11.0 for vLLM 0.20.2")
+
+
+# -- the models' GPU placement (llmhost.placement through the filter llmhost_placement) ----
+
+
+def test_gpu_placement_is_checked_against_the_hosts_gpus(tmp_path: Path) -> None:
+    sysfs = tmp_path / "sys"
+    subprocess.run(["sh", "-c", Sysfs(gpus=1).script(str(sysfs))], check=True)
+    smi = fake_nvidia_smi(tmp_path, "h100-580.159.04-real")
+    tp2 = {"name": "big", "source": "tiny", "engine_args": {"tensor_parallel_size": 2}}
+    run = preflight({"llmhost_profile": "gpu", "python_env_nvidia_smi": smi, "model_repository_sysfs_root": str(sysfs),
+                     "llmhost_models": [tp2]})
+    assert_fails_naming(run, "GPU placement refused", "model big: tensor_parallel_size 2 needs 2 GPUs, the host has 1")
+    # The same model on a host with two GPUs passes.
+    subprocess.run(["sh", "-c", Sysfs(gpus=2).script(str(sysfs))], check=True)
+    run = preflight({"llmhost_profile": "gpu", "python_env_nvidia_smi": smi, "model_repository_sysfs_root": str(sysfs),
+                     "llmhost_models": [tp2]})
+    assert run.rc == 0, run.output
+
+
+def test_a_gpu_kind_on_profile_cpu_is_refused() -> None:
+    run = preflight({"llmhost_models": [{"name": "tiny", "source": "tiny", "kind": "KIND_GPU", "gpus": [0]}]})
+    assert_fails_naming(run, "model tiny: kind KIND_GPU needs llmhost_profile gpu", "model tiny: gpus [0] given")

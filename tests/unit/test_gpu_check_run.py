@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from llmhost.gpucheck import check as gpu_check
+from llmhost.placement import plan
 from tests.harness.paths import ROOT
 
 RUN = ROOT / "tests" / "fixtures" / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-24-check"
@@ -164,7 +165,9 @@ def test_kind_model_entry_has_the_keys_the_roles_render_with():
     keys = set(re.findall(r"'(\w+)':", context)) - {"gpus", "dtype"}  # only when the inventory sets them
     entry = gpu_check.roles_model_entry(Path("/srv/m"))
     assert set(entry) == keys
-    assert "KIND_MODEL" in yaml.safe_load(text)["_model_repository_kind"] and entry["kind"] == "KIND_MODEL"
+    # The roles take the kind from llmhost.placement (filter llmhost_placement).
+    assert "llmhost_placement" in yaml.safe_load(text)["_model_repository_placement"]
+    assert entry["kind"] == plan([{"name": "m"}], None)[0].kind == "KIND_MODEL"
 
 
 def test_kind_model_entry_takes_the_roles_defaults():

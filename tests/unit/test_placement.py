@@ -32,9 +32,36 @@ def refused(models: list[dict[str, Any]], gpu_count: int, profile: str = "gpu") 
 
 def test_single_gpu_default():
     (p,) = plan([{"name": "qwen"}], gpu_count=1)
-    assert (p.kind, p.gpus, p.instance_count, p.tensor_parallel_size) == (KIND_GPU, (0,), 1, 1)
+    # The one KIND rule (the roles' and llmhost serve's): KIND_MODEL on a GPU host.
+    assert (p.kind, p.gpus, p.instance_count, p.tensor_parallel_size) == (KIND_MODEL, (0,), 1, 1)
     assert p.engine_args == {"tensor_parallel_size": 1, "gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION}
-    assert p.cuda_visible_devices is None
+    # Not pinned by the inventory: the engine sees the server's GPUs, nothing is written.
+    assert p.cuda_visible_devices is None and "gpus" not in p.template_vars()
+
+
+def test_unknown_gpu_count_leaves_out_only_the_host_checks():
+    (p,) = plan([{"name": "big", "engine_args": {"tensor_parallel_size": 8}}], gpu_count=None)
+    assert (p.kind, p.gpus) == (KIND_MODEL, tuple(range(8)))
+    # Checks across fields still hold without the host.
+    assert refused([{"name": "m", "kind": "KIND_GPU", "tensor_parallel_size": 2}], None) == [
+        "model m: tensor_parallel_size 2 needs kind KIND_MODEL (one vLLM engine spans 2 GPUs; Triton must not "
+        "pin the instance to one GPU), got KIND_GPU"]
+    assert refused([{"name": "a"}, {"name": "b"}], None)[0].startswith("GPU 0: gpu_memory_utilization adds up")
+    (g,) = plan([{"name": "g", "kind": "KIND_GPU"}], gpu_count=None)
+    assert g.gpus == () and g.memory_shares() == {}
+
+
+def test_profile_engine_args_count_under_the_models_own():
+    (p,) = plan([{"name": "m"}], gpu_count=2, engine_args={"tensor_parallel_size": 2})
+    assert (p.kind, p.gpus, p.tensor_parallel_size) == (KIND_MODEL, (0, 1), 2)
+    (q,) = plan([{"name": "m", "engine_args": {"tensor_parallel_size": 1}}], 2, engine_args={"tensor_parallel_size": 2})
+    assert q.tensor_parallel_size == 1
+    assert refused([{"name": "m", "engine_args": [1]}], 1) == ["model m: engine_args must be a dict, got [1]"]
+
+
+def test_kind_gpu_without_gpus_counts_an_instance_on_every_gpu():
+    (p,) = plan([{"name": "a", "kind": "KIND_GPU", "gpu_memory_utilization": 0.5}], gpu_count=3)
+    assert p.memory_shares() == {0: 0.5, 1: 0.5, 2: 0.5} and "gpus" not in p.template_vars()
 
 
 def test_tensor_parallel_becomes_kind_model_on_its_gpus():
@@ -69,9 +96,11 @@ def test_sum_over_one_names_gpu_and_models():
 
 
 def test_kind_gpu_instances_count_per_listed_gpu():
-    (p,) = plan([{"name": "a", "gpus": [0, 1], "instance_count": 2, "gpu_memory_utilization": 0.4}], 2)
+    (p,) = plan([{"name": "a", "kind": "KIND_GPU", "gpus": [0, 1], "instance_count": 2,
+                  "gpu_memory_utilization": 0.4}], 2)
     assert p.kind == KIND_GPU and p.memory_shares() == {0: 0.8, 1: 0.8}
-    assert refused([{"name": "a", "gpus": [0, 1], "instance_count": 3, "gpu_memory_utilization": 0.4}], 2) == [
+    assert refused([{"name": "a", "kind": "KIND_GPU", "gpus": [0, 1], "instance_count": 3,
+                     "gpu_memory_utilization": 0.4}], 2) == [
         f"GPU {g}: gpu_memory_utilization adds up to 1.20 > 1.0 (a: 3 x 0.4); lower gpu_memory_utilization "
         "or instance_count, or move a model to another GPU" for g in (0, 1)]
 
@@ -79,7 +108,7 @@ def test_kind_gpu_instances_count_per_listed_gpu():
 def test_more_gpus_than_the_host_has():
     assert refused([{"name": "big", "tensor_parallel_size": 8}], 4) == [
         "model big: tensor_parallel_size 8 needs 8 GPUs, the host has 4"]
-    assert refused([{"name": "m", "gpus": [0, 2]}], 2) == [
+    assert refused([{"name": "m", "kind": "KIND_GPU", "gpus": [0, 2]}], 2) == [
         "model m: gpus [0, 2] names GPU 2, but the host has 2 GPUs (ids 0-1)"]
     assert refused([{"name": "m"}], 0) == ["model m: llmhost_profile is gpu but the host has no GPU"]
 
@@ -128,7 +157,8 @@ def test_cpu_profile():
 
 def test_renders_into_the_model_templates(tmp_path: Path):
     """What plan() returns is what config.pbtxt.j2 and model.json.j2 read."""
-    single, tp = plan([{"name": "one", "gpus": [1], "instance_count": 2, "gpu_memory_utilization": 0.4},
+    single, tp = plan([{"name": "one", "kind": "KIND_GPU", "gpus": [1], "instance_count": 2,
+                        "gpu_memory_utilization": 0.4},
                        {"name": "two", "gpus": [2, 3], "tensor_parallel_size": 2}], gpu_count=4)
     d = make_model_dir(tmp_path, {"name": "one", "path": "/srv/m", **single.template_vars()})
     cfg = (d / "config.pbtxt").read_text()
@@ -137,7 +167,8 @@ def test_renders_into_the_model_templates(tmp_path: Path):
     d = make_model_dir(tmp_path, {"name": "two", "path": "/srv/m", **tp.template_vars()})
     cfg = (d / "config.pbtxt").read_text()
     assert "kind: KIND_MODEL" in cfg and "gpus:" not in cfg
-    assert json.loads((d / "model.json").read_text())["tensor_parallel_size"] == 2
+    spec = json.loads((d / "model.json").read_text())
+    assert spec["tensor_parallel_size"] == 2 and spec["llmhost"]["visible_gpus"] == "2,3"
 
 
 def test_command(capsys: pytest.CaptureFixture[str], tmp_path: Path):
@@ -148,7 +179,8 @@ def test_command(capsys: pytest.CaptureFixture[str], tmp_path: Path):
     assert main_placement([str(f), "--gpu-count", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["gpus"] == {"0": 0.5, "1": 0.8}
-    assert report["models"]["a"]["cuda_visible_devices"] == "0,1" and report["models"]["b"]["gpus"] == [1]
+    assert report["models"]["a"]["gpus"] == [0, 1] and report["models"]["a"]["cuda_visible_devices"] is None
+    assert report["models"]["b"]["gpus"] == [1] and report["models"]["b"]["cuda_visible_devices"] == "1"
     assert main_placement(["--models-json", json.dumps(models), "--gpu-count", "1"]) == 1
     assert "needs 2 GPUs, the host has 1" in json.loads(capsys.readouterr().out)["problems"][0]
     assert main_placement(["--models-json", "{}", "--gpu-count", "1"]) == 2
@@ -159,4 +191,4 @@ def test_runs_as_a_plain_script_without_site_packages():
                            "--models-json", '[{"name": "a"}]', "--gpu-count", "1"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["models"]["a"]["kind"] == "KIND_GPU"
+    assert json.loads(proc.stdout)["models"]["a"]["kind"] == "KIND_MODEL"

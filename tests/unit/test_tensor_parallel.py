@@ -50,7 +50,9 @@ def test_the_roles_render_a_tp2_model_as_kind_model_without_pinned_gpus(tmp_path
 
 def test_the_tp2_entry_keeps_the_keys_the_roles_render_with():
     text = (ROOT / "roles" / "model_repository" / "vars" / "main.yml").read_text()
-    assert "'KIND_MODEL'" in yaml.safe_load(text)["_model_repository_kind"]
+    # The roles' kind is the placement rule's (filter llmhost_placement): KIND_MODEL for TP 2.
+    assert "llmhost_placement" in yaml.safe_load(text)["_model_repository_placement"]
+    assert plan([gpu_check.roles_model_entry(Path("/m"), 2)], None)[0].kind == KIND_MODEL
     assert set(gpu_check.roles_model_entry(Path("/m"), 2)) == set(gpu_check.roles_model_entry(Path("/m")))
     assert "tensor_parallel_size" not in gpu_check.roles_model_entry(Path("/m"))["engine_args"]
 
@@ -58,7 +60,7 @@ def test_the_tp2_entry_keeps_the_keys_the_roles_render_with():
 def test_placement_puts_the_tp2_entry_on_two_gpus_and_refuses_one():
     entry = gpu_check.roles_model_entry(Path("/m"), tensor_parallel_size=2)
     (p,) = plan([entry], gpu_count=2)
-    assert (p.kind, p.gpus, p.tensor_parallel_size, p.cuda_visible_devices) == (KIND_MODEL, (0, 1), 2, "0,1")
+    assert (p.kind, p.gpus, p.tensor_parallel_size, p.cuda_visible_devices) == (KIND_MODEL, (0, 1), 2, None)
     with pytest.raises(PlacementError) as err:
         plan([entry], gpu_count=1)
     assert err.value.problems == ["model llm: tensor_parallel_size 2 needs 2 GPUs, the host has 1"]

@@ -154,7 +154,8 @@ class Server:
         self.work.mkdir(parents=True)
         out = self.logfile.open("ab")
         if self.kind == KIND_GPU:
-            cmd = [sys.executable, "-m", "llmhost.cli", "serve", "--device", "gpu", "--model", str(self.model),
+            cmd = [sys.executable, "-m", "llmhost.cli", "serve", "--device", "gpu", "--kind", "KIND_GPU",
+                   "--model", str(self.model),
                    "--name", NAME, "--http-port", str(HTTP), "--grpc-port", str(GRPC),
                    "--metrics-port", str(METRICS), "--max-model-len", str(MAX_MODEL_LEN), "--workdir", str(self.work)]
             self.how = "llmhost serve --device gpu"

@@ -71,7 +71,8 @@ def wait(pred: Any, timeout_s: float, step: float = 0.5) -> float | None:
 
 
 def serve(model: Path, workdir: Path, logfile: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "llmhost.cli", "serve", "--device", "gpu", "--model", str(model), "--name", MODEL,
+    cmd = [sys.executable, "-m", "llmhost.cli", "serve", "--device", "gpu", "--kind", "KIND_GPU",
+           "--model", str(model), "--name", MODEL,
            "--http-port", str(HTTP), "--grpc-port", str(GRPC), "--metrics-port", str(METRICS),
            "--max-model-len", "2048", "--workdir", str(workdir)]
     return subprocess.Popen(cmd, stdout=logfile.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)

@@ -351,7 +351,8 @@ class Server:
             for k, v in self.engine.items():
                 cmd += [f"--{k.replace('_', '-')}", str(v)]
             return cmd
-        cmd = [py, "-m", "llmhost.cli", "serve", "--device", "gpu", "--model", str(self.model), "--name", NAME,
+        cmd = [py, "-m", "llmhost.cli", "serve", "--device", "gpu", "--kind", "KIND_GPU",
+               "--model", str(self.model), "--name", NAME,
                "--http-port", str(self.port), "--grpc-port", str(self.port + 1),
                "--metrics-port", str(self.port + 2), "--workdir", str(self.work / self.side)]
         for k, v in self.engine.items():
