@@ -93,6 +93,11 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
         ("llmhost_models[0] (m)", "max_model_len"),
     ),
     ("engine args per profile", {"model_repository_engine_args": {"cpu": {}}}, ("model_repository_engine_args",)),
+    (
+        "model engine args not a dict",
+        {"llmhost_models": [{"name": "m", "source": "tiny", "engine_args": [1]}]},
+        ("llmhost_models", "engine_args"),
+    ),
     ("unknown triton source", {"triton_source": "docker"}, ("triton_source", "docker")),
     (
         "tarball without sha256",
