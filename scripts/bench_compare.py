@@ -232,7 +232,8 @@ def main() -> int:
             "rounds": args.rounds, "workload": workload.__dict__, "max_model_len": MAX_MODEL_LEN,
             "llmhost_settings": BackendSettings().__dict__, "llmhost_setting_overrides": args.setting,
             "server_nice": SERVER_NICE, "gateway_nice": GATEWAY_NICE, "paths": names,
-            "streaming": {"triton": "HTTP SSE from the backend, deltas grouped per stream_interval_ms",
+            "streaming": {"triton": "HTTP SSE from the backend, one response per engine step unless "
+                                    "stream_interval_ms (llmhost_settings) groups them",
                           "gateway": "OpenAI SSE, one chunk per backend response (grouped the same way)",
                           "vllm": "OpenAI SSE, one event per engine step"}}
     record: dict[str, object] = {"meta": meta, "stalls_s": stalls, "cpu_s": cpu,

@@ -183,9 +183,9 @@ class Target:
                     if usage:
                         tokens = int(usage["completion_tokens"])
                 else:
-                    counts = event.get("num_output_tokens")
+                    counts = event.get("num_output_tokens")  # this response's own tokens
                     if counts is not None:
-                        tokens = int(counts if isinstance(counts, int) else sum(counts))
+                        tokens += int(counts if isinstance(counts, int) else sum(counts))
         return Sample(ok=tokens > 0, ttft=ttft, e2e=time.perf_counter() - t0, tokens=tokens,
                       error="" if tokens > 0 else "server reported no output tokens")
 
@@ -215,9 +215,9 @@ class Target:
                 return Sample(ok=False, error=str(error)[:300])
             if not ttft:
                 ttft = time.perf_counter() - t0
-            counts = result.as_numpy("num_output_tokens")
+            counts = result.as_numpy("num_output_tokens")  # this response's own tokens
             if counts is not None:
-                tokens = int(counts.sum())
+                tokens += int(counts.sum())
         return Sample(ok=tokens > 0, ttft=ttft, e2e=time.perf_counter() - t0, tokens=tokens)
 
 

@@ -111,7 +111,7 @@ class Smoke:
             events = parse_sse([ln for ln in r.iter_lines(decode_unicode=True) if ln])
         if len(events) < 2:
             raise RuntimeError(f"expected a stream of events, got {len(events)}")
-        total = int(events[-1]["num_output_tokens"])
+        total = sum(int(e["num_output_tokens"]) for e in events)  # each response counts its own tokens
         if total != self.max_tokens:
             raise RuntimeError(f"stream reported {total} tokens, expected {self.max_tokens}")
         return f"{len(events)} events, {total} tokens"
@@ -144,7 +144,7 @@ class Smoke:
                     raise RuntimeError(f"gRPC stream error: {error}")
                 resp = result.get_response()
                 if result.as_numpy("num_output_tokens") is not None:
-                    total = int(result.as_numpy("num_output_tokens")[0])
+                    total += int(result.as_numpy("num_output_tokens")[0])  # per response
                     chunks += 1
                 if resp.parameters.get("triton_final_response") and resp.parameters["triton_final_response"].bool_param:
                     break

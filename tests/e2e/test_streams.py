@@ -92,8 +92,8 @@ def test_32_concurrent_streams_complete_in_order(server):
     with ThreadPoolExecutor(32) as pool:
         results = list(pool.map(one, range(32)))
     for counts in results:
-        assert counts == sorted(counts), counts
-        assert counts[-1] == 48
+        # Each response counts its own tokens: every one carried some, 48 in all.
+        assert all(c >= 1 for c in counts[:-1]) and sum(counts) == 48, counts
     assert _wait_metric(server, "vllm:num_requests_running", lambda v: v == 0) == 0
 
 

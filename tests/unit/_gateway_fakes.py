@@ -84,15 +84,16 @@ class Fake:
     async def generate(self, req: BackendRequest) -> AsyncIterator[Piece]:
         self.seen.append(req)
         await self._before()
-        yield Piece([f"hello from {self.name}"], [""], 3, [2], False)
-        yield Piece(["!"], ["length"], 3, [4], True)
+        # Output tokens per response (2 + 2), as the backend counts them.
+        yield Piece([f"hello from {self.name}"], ["None"], 3, [2], False)
+        yield Piece(["!"], ["length"], 3, [2], True)
 
     async def infer_stream(self, msg: Any) -> AsyncIterator[Any]:
         self.seen.append(msg)
         await self._before()
         yield infer_response(False, text_output=["he"], num_input_tokens=[3], num_output_tokens=[1])
         yield infer_response(False, text_output=["llo"], finish_reason=["length"], num_input_tokens=[3],
-                             num_output_tokens=[2])
+                             num_output_tokens=[1])
         yield infer_response(True)
 
 

@@ -41,3 +41,13 @@ def test_serve_defaults_are_the_backends(tmp_path: Path) -> None:
     assert (args.default_max_tokens, args.max_n, args.drain_timeout) == tuple(getattr(backend, k) for k in KEYS)
     opts = ServeOptions(model=tmp_path)
     assert tuple(getattr(opts, k) for k in KEYS) == tuple(getattr(backend, k) for k in KEYS)
+
+
+def test_the_api_docs_settings_table_states_the_backends_defaults() -> None:
+    # docs/api.md restates each default in its model.json table; the source is BackendSettings.
+    text = (ROOT / "docs" / "api.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", text, re.MULTILINE))
+    backend = BackendSettings()
+    for name in ("default_max_tokens", "max_n", "drain_timeout_s", "stream_interval_ms", "response_threads",
+                 "tokenizer_threads", "metrics_interval_s"):
+        assert float(rows[name]) == float(getattr(backend, name)), name

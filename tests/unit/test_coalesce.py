@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from llmhost.backend.coalesce import StreamWindow, coalesce
 from llmhost.backend.engine import Chunk
 
 
 def chunk(text: str, count: int, final: bool = False, reason: str = "") -> Chunk:
+    """A response of COUNT new tokens (per response, as vllm_backend counts them)."""
     return Chunk([text], [reason], 5, [count], final)
 
 
@@ -16,7 +19,7 @@ def test_merges_pending_steps_of_one_stream_in_order():
     out = coalesce(items)
     assert [(k, s is a) for k, s, _ in out] == [("chunk", True), ("chunk", False), ("track", True)]
     merged_a = out[0][2]
-    assert merged_a.texts == ["xyz"] and merged_a.num_output_tokens == [3]
+    assert merged_a.texts == ["xyz"] and merged_a.num_output_tokens == [1 + 2 + 3]
     assert merged_a.final and merged_a.finish_reasons == ["length"]
     assert out[1][2].texts == ["pq"] and not out[1][2].final
 
@@ -33,7 +36,7 @@ def test_nothing_merges_past_a_final_or_an_error():
 def test_n_completions_merge_per_index():
     a = object()
     c1 = Chunk(["a", ""], ["", ""], 3, [1, 0], False)
-    c2 = Chunk(["b", "c"], ["", "stop"], 3, [2, 1], False)
+    c2 = Chunk(["b", "c"], ["", "stop"], 3, [1, 1], False)
     (_, _, merged), = coalesce([("chunk", a, c1), ("chunk", a, c2)])
     assert merged.texts == ["ab", "c"] and merged.finish_reasons == ["", "stop"]
     assert merged.num_output_tokens == [2, 1]
@@ -48,7 +51,7 @@ def test_window_sends_first_and_final_at_once_and_holds_the_rest_until_the_tick(
     assert w.admit([("chunk", a, chunk("y", 2))]) == []
     assert w.admit([("chunk", a, chunk("z", 3))]) == []
     (_, sink, merged), = w.flush()
-    assert sink is a and merged.texts == ["yz"] and merged.num_output_tokens == [3]
+    assert sink is a and merged.texts == ["yz"] and merged.num_output_tokens == [2 + 3]
     assert w.flush() == []
     w.admit([("chunk", a, chunk("u", 4))])
     (_, _, last), = w.admit([("chunk", a, chunk("v", 5, final=True, reason="length"))])
@@ -107,9 +110,43 @@ def test_hold_back_puts_unsent_chunks_ahead_of_newer_ones():
     w.admit([("chunk", b, chunk("b3", 3))])
     w.hold_back(flushed[1:])
     (_, sink, merged), = w.flush()
-    assert sink is b and merged.texts == ["b2b3"] and merged.num_output_tokens == [3]
+    assert sink is b and merged.texts == ["b2b3"] and merged.num_output_tokens == [2 + 3]
     # A final after a hold-back leaves at once, with what was held before it.
     w.admit([("chunk", a, chunk("a3", 3))])
     w.hold_back(w.flush())
     (_, _, last), = w.admit([("chunk", a, chunk("a4", 4, final=True))])
     assert last.texts == ["a3a4"] and last.final
+
+
+def test_merged_steps_keep_each_outputs_per_response_meaning():
+    a = object()
+    top = {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "x"}}
+    c1 = Chunk(["x", ""], ["", ""], 3, [1, 0], False, cumulative_logprobs=[-0.5, -1.0], logprobs=[[top], []])
+    c2 = Chunk(["y", "z"], ["", "stop"], 3, [1, 1], False, cumulative_logprobs=[-0.75, None], logprobs=[[top], [top]])
+    (_, _, merged), = coalesce([("chunk", a, c1), ("chunk", a, c2)])
+    assert merged.num_output_tokens == [2, 1]  # the tokens of both steps
+    assert merged.logprobs == [[top, top], [top]]  # one position per token
+    assert merged.cumulative_logprobs == [-0.75, -1.0]  # the latest known
+    nulls = Chunk(["x"], [""], 3, [1], False, logprobs=[None])
+    (_, _, merged), = coalesce([("chunk", a, nulls), ("chunk", a, nulls)])
+    assert merged.logprobs == [None]  # not asked of vLLM: still null
+
+
+def test_a_streams_own_window_overrides_the_default():
+    grouped, per_step = SimpleNamespace(window_s=1.0), SimpleNamespace(window_s=0.0)
+    w = StreamWindow(0.0)  # the model's default: no window
+    w.admit([("chunk", grouped, chunk("g1", 1)), ("chunk", per_step, chunk("p1", 1))])
+    assert w.ticking
+    out = w.admit([("chunk", grouped, chunk("g2", 1)), ("chunk", per_step, chunk("p2", 1))])
+    assert [(s is per_step, p.texts) for _, s, p in out] == [(True, ["p2"])]  # only the grouped one waits
+    due = w.next_due()
+    assert due is not None
+    assert w.flush_due(due - 0.5) == []  # its window has not passed
+    (_, sink, held), = w.flush_due(due)
+    assert sink is grouped and held.texts == ["g2"]
+    w.admit([("chunk", grouped, chunk("g3", 1, final=True))])
+    assert not w.ticking  # the grouped stream ended
+    # A stream may also turn the model's window off for itself.
+    w = StreamWindow(1.0)
+    w.admit([("chunk", per_step, chunk("p1", 1))])
+    assert len(w.admit([("chunk", per_step, chunk("p2", 1))])) == 1 and not w.ticking

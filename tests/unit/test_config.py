@@ -20,9 +20,10 @@ def test_split_engine_args_and_settings():
     assert cfg.engine_args == {"model": "/m", "max_model_len": 64}
     assert cfg.settings.default_max_tokens == 100
     assert cfg.settings.max_n == BackendSettings().max_n
-    assert (cfg.settings.response_threads, cfg.settings.stream_interval_ms) == (1, 50.0)
-    cfg = parse_model_config({"model": "/m", "llmhost": {"response_threads": 4, "stream_interval_ms": 0}})
-    assert (cfg.settings.response_threads, cfg.settings.stream_interval_ms) == (4, 0.0)
+    # Streams send one response per engine step by default, as NVIDIA's vllm_backend does.
+    assert (cfg.settings.response_threads, cfg.settings.stream_interval_ms) == (1, 0.0)
+    cfg = parse_model_config({"model": "/m", "llmhost": {"response_threads": 4, "stream_interval_ms": 50}})
+    assert (cfg.settings.response_threads, cfg.settings.stream_interval_ms) == (4, 50.0)
 
 
 @pytest.mark.parametrize(

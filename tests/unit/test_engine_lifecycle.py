@@ -88,7 +88,8 @@ class FakeEngine:
         return FakeTokenizer()
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
-        out = SimpleNamespace(outputs=[SimpleNamespace(index=0, text="x", token_ids=[1], finish_reason=None)],
+        out = SimpleNamespace(outputs=[SimpleNamespace(index=0, text="x", token_ids=[1], finish_reason=None,
+                                                       cumulative_logprob=None, logprobs=None)],
                               finished=False)
         yield out
         self.generating.set()

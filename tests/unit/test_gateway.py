@@ -233,7 +233,8 @@ def _collect(req: BackendRequest, pieces: list[Piece]) -> list[Any]:
 
 def test_chat_chunks_role_content_finish_usage_done():
     req = _map(_chat(stream=True, stream_options={"include_usage": True}))
-    events = _collect(req, [Piece(["He"], [], 3, [1], False), Piece(["llo"], ["length"], 3, [2], True)])
+    # Output tokens per response (1 + 1); "None": the backend's reason for a running completion.
+    events = _collect(req, [Piece(["He"], ["None"], 3, [1], False), Piece(["llo"], ["length"], 3, [1], True)])
     assert events[-1] == "[DONE]"
     first, a, b, last = events[:-1]
     assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -248,7 +249,7 @@ def test_chat_chunks_role_content_finish_usage_done():
 def test_completion_chunks_without_usage_and_with_n2():
     req = _map(json.dumps({"model": "m", "prompt": "p", "stream": True, "n": 2}).encode(), chat=False)
     events = _collect(req, [Piece(["a", ""], [], 1, [1, 0], False), Piece(["b", "c"], ["stop", "length"], 1,
-                                                                          [2, 1], True)])
+                                                                          [1, 1], True)])
     assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])
     assert events[0]["choices"] == [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}]
     assert [(c["index"], c["text"], c["finish_reason"]) for c in events[1]["choices"]] == [
@@ -259,12 +260,12 @@ def test_completion_chunks_without_usage_and_with_n2():
 def test_a_completions_new_tokens_get_a_chunk_before_their_text_decodes():
     # The first token is half of a UTF-8 character: no text yet, one token more.
     req = _map(json.dumps({"model": "m", "prompt": "p", "stream": True}).encode(), chat=False)
-    events = _collect(req, [Piece([""], [], 1, [1], False), Piece(["\u00e9"], [], 1, [2], False),
-                            Piece([""], [], 1, [2], False), Piece([""], ["stop"], 1, [2], True)])
+    events = _collect(req, [Piece([""], [], 1, [1], False), Piece(["\u00e9"], [], 1, [1], False),
+                            Piece([""], [], 1, [0], False), Piece([""], ["stop"], 1, [0], True)])
     assert [(e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in events[:-1]] == [
         ("", None), ("\u00e9", None), ("", "stop")]
     # Chat sends content only: an empty delta for an undecoded token is left out.
-    chat = _collect(_map(_chat(stream=True)), [Piece([""], [], 1, [1], False), Piece(["x"], ["stop"], 1, [2], True)])
+    chat = _collect(_map(_chat(stream=True)), [Piece([""], [], 1, [1], False), Piece(["x"], ["stop"], 1, [1], True)])
     assert [e["choices"][0]["delta"] for e in chat[:-1]] == [{"role": "assistant", "content": ""}, {"content": "x"}]
 
 

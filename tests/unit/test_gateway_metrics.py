@@ -29,7 +29,7 @@ class Upstream:
         if req.sampling.get("temperature") == 1.9:
             raise RuntimeError("a bug of ours")
         yield Piece(["he"], [""], 3, [2], False)
-        yield Piece(["llo"], ["length"], 3, [5], True)
+        yield Piece(["llo"], ["length"], 3, [3], True)  # per response: 2 + 3
 
 
 def _samples(metrics: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -49,7 +49,26 @@ def test_generate_maps_inputs_and_parameters_and_answers_as_triton():
 def test_generate_returns_the_counts_the_client_asked_for():
     r = _run(make_app(Fake()), "POST", "/v2/models/m/generate",
              json={"text_input": "x", "return_num_output_tokens": True})
-    assert r.json()["num_output_tokens"] == 2 and "num_input_tokens" not in r.json()
+    assert r.json()["num_output_tokens"] == 2 and "num_input_tokens" not in r.json()  # 1 + 1: per response
+
+
+def test_one_answer_from_several_responses_joins_each_completions_parts():
+    from llmhost.gateway.native import _JOIN
+
+    top = {"5": {"logprob": -1.0, "rank": 1, "decoded_token": "a"}}
+    joined = _JOIN["logprobs"](json.dumps([top]), json.dumps([top, top]))
+    assert json.loads(joined) == [top, top, top]
+    assert _JOIN["logprobs"]("null", "null") == "null"
+    assert _JOIN["num_output_tokens"](2, 3) == 5 and _JOIN["text_output"]("he", "llo") == "hello"
+    assert "finish_reason" not in _JOIN and "cumulative_logprob" not in _JOIN  # the latest wins
+
+
+def test_the_new_return_inputs_are_inputs_checked_by_name():
+    from llmhost.gateway.native import BOOL_INPUTS
+
+    assert {"return_cumulative_logprob", "return_logprobs"} <= set(BOOL_INPUTS)
+    r = _run(make_app(Fake()), "POST", "/v2/models/m/generate", json={"text_input": "x", "return_logprobs": "yes"})
+    assert r.status_code == 400 and "return_logprobs" in r.json()["error"]
 
 
 def test_generate_stream_sends_each_response_as_an_sse_event():

@@ -109,7 +109,7 @@ def test_the_script_starts_both_servers_with_the_same_engine_arguments():
         assert "serve --device gpu" in line and "--name llm" in line
         assert "--engine-arg max_model_len=4096 --engine-arg gpu_memory_utilization=0.25" in line
     assert "--setting stream_interval_ms=0" in " ".join(cmds["triton"])
-    assert "--setting" not in cmds["grouped"]
+    assert "--setting stream_interval_ms=50" in " ".join(cmds["grouped"])  # no longer the default
 
 
 def _recomputed(path: str, base: str = "vllm") -> list[dict]:

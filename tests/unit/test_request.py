@@ -128,3 +128,38 @@ def test_client_label_escapes_what_the_client_chose():
     assert client_label("cancel-me-7") == "client id 'cancel-me-7'"
     assert client_label("a\nb\x1b[2J") == "client id 'a\\nb\\x1b[2J'"
     assert client_label("") == "no client id"
+
+
+def test_additional_outputs_are_asked_for_by_their_return_inputs():
+    job = parse({"return_logprobs": True}, text_input="hi", return_cumulative_logprob=True,
+                return_num_output_tokens=True)
+    assert job.returns() == {"return_logprobs", "return_cumulative_logprob", "return_num_output_tokens"}
+    assert parse(text_input="hi").returns() == frozenset()
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, None), (0, 0.0), (250, 250.0), ("20", 20.0), (1000.0, 1000.0)])
+def test_a_request_may_choose_its_stream_interval(given: object, expected: float | None):
+    params = {} if given is None else {"stream_interval_ms": given}
+    assert parse(params, text_input="hi", stream=True).stream_interval_ms == expected
+    # As a key of the sampling_parameters JSON too (where vllm_backend clients put their options).
+    if given is not None:
+        job = parse(text_input="hi", stream=True, sampling_parameters=json.dumps({"stream_interval_ms": given}))
+        assert job.stream_interval_ms == expected and "stream_interval_ms" not in job.sampling
+
+
+@pytest.mark.parametrize("bad", [-1, 1000.5, "soon", True, None, [5], "nan", float("inf")])
+def test_a_bad_stream_interval_is_refused_by_name(bad: object):
+    with pytest.raises(RequestError, match="'stream_interval_ms' must be a number of milliseconds from 0 to 1000"):
+        parse_request({"text_input": arr("hi")}, {"stream_interval_ms": bad}, S)
+
+
+def test_a_stream_cannot_ask_for_the_prompt_in_its_output():
+    # vllm_backend's rule: exclude_input_in_output=false is refused when streaming...
+    with pytest.raises(RequestError, match="'exclude_input_in_output' cannot be false when streaming"):
+        parse(text_input="hi", stream=True, exclude_input_in_output=False)
+    with pytest.raises(RequestError, match="cannot be false when streaming"):
+        parse({"exclude_input_in_output": False, "stream": True}, text_input="hi")
+    # ... left out or true it streams the generated text only; without a stream false is the default.
+    assert parse(text_input="hi", stream=True).exclude_input is False  # (a stream never prepends the prompt)
+    assert parse(text_input="hi", stream=True, exclude_input_in_output=True).exclude_input
+    assert parse(text_input="hi", exclude_input_in_output=False).exclude_input is False

@@ -70,3 +70,13 @@ def test_table_matches_installed_vllm():
     assert sp.max_tokens == 4 and sp.n == 2 and sp.stop == ["x"]
     for spec in ({"json": {"type": "object"}}, {"regex": "a"}, {"choice": ["a"]}, {"grammar": "g"}):
         StructuredOutputsParams(**spec)
+
+
+def test_logprobs_is_top_k_per_token_and_not_negative():
+    assert validate_sampling({"logprobs": "2"}, BackendSettings())["logprobs"] == 2
+    assert validate_sampling({"logprobs": 0}, BackendSettings())["logprobs"] == 0
+    assert "logprobs" not in validate_sampling({}, BackendSettings())
+    with pytest.raises(SamplingError, match="'logprobs' must be >= 0"):
+        validate_sampling({"logprobs": -1}, BackendSettings())
+    with pytest.raises(SamplingError, match="'logprobs' must be an integer"):
+        validate_sampling({"logprobs": "many"}, BackendSettings())

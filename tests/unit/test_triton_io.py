@@ -87,7 +87,7 @@ def stream(io: Any) -> tuple[Any, Sender]:
     from llmhost.backend.model import _TritonSink
 
     sender = Sender()
-    return _TritonSink(io, sender, (False, False, False)), sender
+    return _TritonSink(io, sender, frozenset()), sender
 
 
 def stop(io: Any) -> None:
@@ -165,7 +165,7 @@ def test_a_first_chunk_goes_ahead_of_the_rest_of_a_tick_and_order_holds(fake_pb:
     log: list[str] = []
     io = make_io(window_s=0.05)
     senders = [BlockingSender(log, block_on="a2"), BlockingSender(log)]
-    a, b = (_TritonSink(io, s, (False, False, False)) for s in senders)
+    a, b = (_TritonSink(io, s, frozenset()) for s in senders)
     a.send(chunk("a1", 1))
     b.send(chunk("b1", 1))
     assert senders[0].wait_for("a1") and senders[1].wait_for("b1")
@@ -173,7 +173,7 @@ def test_a_first_chunk_goes_ahead_of_the_rest_of_a_tick_and_order_holds(fake_pb:
     b.send(chunk("b2", 2))
     assert senders[0].blocked.wait(30)  # the tick is sending a2; b2 waits behind it
     c_sender = BlockingSender(log)
-    c = _TritonSink(io, c_sender, (False, False, False))
+    c = _TritonSink(io, c_sender, frozenset())
     c.send(chunk("c1", 1))  # a new stream's first chunk
     b.send(chunk("b3", 3, final=True))
     senders[0].release.set()
@@ -243,7 +243,7 @@ def test_without_a_window_a_backlog_leaves_as_one_response_per_stream(fake_pb: N
 
     io = make_io(window_s=0.0)
     slow = GatedSender()
-    first = _TritonSink(io, slow, (False, False, False))
+    first = _TritonSink(io, slow, frozenset())
     other, o_sender = stream(io)
     first.send(chunk("<", 1))
     assert slow.blocked.wait(30)  # the thread is stuck in its first round trip
@@ -254,4 +254,47 @@ def test_without_a_window_a_backlog_leaves_as_one_response_per_stream(fake_pb: N
     slow.gate.set()
     assert slow.wait_for("<" + "a" * steps) and o_sender.wait_for("b" * steps)
     assert len(slow.sent) == 2 and o_sender.sent == [("b" * steps, FINAL)]
+    stop(io)
+
+
+def test_a_requests_own_window_groups_its_deltas_on_a_per_step_model(fake_pb: None) -> None:
+    from llmhost.backend.model import _TritonSink
+
+    io = make_io(window_s=0.0)  # the model sends every step...
+    sender = Sender()
+    sink = _TritonSink(io, sender, frozenset(), window_s=0.05)  # ... this request asked for 50 ms
+    sink.send(chunk("a", 1))
+    assert sender.wait_for("a")
+    for i, t in enumerate("bcdefgh", start=2):
+        sink.send(chunk(t, i))
+    assert sender.wait_for("abcdefgh"), sender.sent  # delivered by the tick
+    sink.send(chunk("!", 9, final=True))
+    assert sender.wait_for("abcdefgh!") and sender.sent[-1][1] == FINAL
+    assert len(sender.sent) < 9, sender.sent  # as in the test with the model's window above
+    stop(io)
+
+
+def test_a_response_carries_the_outputs_asked_for_with_vllm_backends_types(fake_pb: None) -> None:
+    import numpy as np
+
+    from llmhost.backend.model import _TritonIO, _TritonSink
+
+    io = make_io(window_s=0.0)
+    top = {"9": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}
+    c = Chunk(["a", "b"], ["", "length"], 4, [0, 1], True, cumulative_logprobs=[None, -0.5], logprobs=[[], [top]])
+    every = frozenset({"return_finish_reason", "return_cumulative_logprob", "return_logprobs",
+                       "return_num_input_tokens", "return_num_output_tokens"})
+    pb = sys.modules["triton_python_backend_utils"]
+    resp = _TritonIO._response(pb, _TritonSink(io, Sender(), every), c)
+    got = {t.name: t.value for t in resp.tensors}
+    assert list(got) == ["text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
+                         "num_output_tokens"]
+    assert got["finish_reason"].tolist() == [b"None", b"length"]
+    assert got["cumulative_logprob"].dtype == np.float32 and np.isnan(got["cumulative_logprob"][0])
+    assert got["cumulative_logprob"][1] == np.float32(-0.5)
+    assert got["logprobs"].tolist() == [b"[]", b'[{"9": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}]']
+    assert got["num_input_tokens"].dtype == np.uint32 and got["num_input_tokens"].tolist() == [4]
+    assert got["num_output_tokens"].dtype == np.uint32 and got["num_output_tokens"].tolist() == [0, 1]
+    only = _TritonIO._response(pb, _TritonSink(io, Sender(), frozenset({"return_logprobs"})), c)
+    assert [t.name for t in only.tensors] == ["text_output", "logprobs"]
     stop(io)

@@ -42,10 +42,11 @@ class BackendSettings:
     # Threads sending responses to tritonserver. Each send waits for tritonserver
     # to take the response; several threads keep several sends in flight.
     response_threads: int = 1
-    # While streams are open the sending thread ticks this often (ms) and sends
-    # each stream's deltas since its last response as one; a stream's first and
-    # last responses never wait. 0: every engine step is sent at once.
-    stream_interval_ms: float = 50.0
+    # 0 (as NVIDIA's vllm_backend): every engine step of a stream is sent at once,
+    # one response each. Above 0: a stream's deltas are held up to this long (ms)
+    # and sent as one response (fewer round trips under load); a stream's first and
+    # last responses never wait. A request may choose its own (request.py).
+    stream_interval_ms: float = 0.0
     # Largest prompt a request may send, in bytes: text_input's UTF-8 bytes, or the
     # UTF-8 bytes of all messages' contents. Checked before tokenizing. 0: derived
     # from the engine, max_model_len x the longest token in characters (the bound

@@ -22,6 +22,7 @@ from llmhost.backend.config import ModelConfig
 from llmhost.backend.errors import RequestError
 from llmhost.backend.failures import ENGINE_ERROR, INVALID_REQUEST, classify
 from llmhost.backend.metrics import ServingMetrics
+from llmhost.backend.outputs import Position, positions
 from llmhost.backend.prompts import UTF8_MAX_BYTES, PromptEncoder, derived_prompt_bytes, longest_token_chars
 from llmhost.backend.request import GenerateJob, RequestLimits, client_label
 from llmhost.backend.watchdog import (
@@ -58,13 +59,22 @@ def new_event_loop(kind: str | None = None) -> asyncio.AbstractEventLoop:
 
 @dataclass
 class Chunk:
-    """What one response carries, before it becomes Triton tensors."""
+    """What one response carries, before it becomes Triton tensors (outputs.py).
+
+    Per completion: its text and its tokens (count and, when asked, log
+    probabilities) since the previous response; its finish reason ("" while it
+    runs) and cumulative log probability so far."""
 
     texts: list[str]
     finish_reasons: list[str]
     num_input_tokens: int
     num_output_tokens: list[int]
     final: bool
+    # Empty unless return_cumulative_logprob; None where vLLM gave none.
+    cumulative_logprobs: list[float | None] = field(default_factory=list)
+    # Empty unless return_logprobs; None per completion when the request gave no
+    # 'logprobs' sampling parameter (sent as JSON null).
+    logprobs: list[list[Position] | None] = field(default_factory=list)
 
 
 class Sink(Protocol):
@@ -438,6 +448,10 @@ class EngineRunner:
         # what the prompt leaves of the context.
         kwargs["max_tokens"] = min(kwargs["max_tokens"], self._max_model_len - prompt_len)
         structured = kwargs.pop("structured_outputs", None)
+        if job.return_cumulative_logprob and kwargs.get("logprobs") is None:
+            # vLLM sums the log probabilities only while it computes them: the
+            # sampled token's alone (0 more) costs least.
+            kwargs["logprobs"] = 0
         kind = RequestOutputKind.DELTA if job.stream else RequestOutputKind.FINAL_ONLY
         try:
             if structured is not None:
@@ -450,6 +464,11 @@ class EngineRunner:
                                    ) from None
             raise
 
+    @staticmethod
+    def _blank(n: int, want_logprobs: bool) -> tuple[list[str], list[int], list[list[Position] | None]]:
+        """Texts, token counts and log probabilities of N completions for one response."""
+        return [""] * n, [0] * n, [[] if want_logprobs else None for _ in range(n)]
+
     async def _generate(self, active: Active, job: GenerateJob, sink: Sink) -> None:
         metrics = self.metrics
         counts: list[int] = []  # output tokens of each completion, as sent to the sink
@@ -458,22 +477,36 @@ class EngineRunner:
             params = self._sampling_params(job, len(ids))
             n = params.n
             counts = [0] * n
-            texts = [""] * n
             reasons = [""] * n
+            cumulative: list[float | None] = [None] * n
+            want_logprobs = job.return_logprobs and job.sampling.get("logprobs") is not None
             finished = False
+            texts, step, tops = self._blank(n, want_logprobs)
             async for out in self._engine.generate({"prompt_token_ids": ids}, params, active.request_id):
-                if job.stream:
-                    texts = [""] * n
+                # A stream's outputs are deltas (DELTA), one response each; else vLLM
+                # gives the whole request once (FINAL_ONLY), kept until it finished. A
+                # completion absent from an output made no progress in it.
                 for co in out.outputs:
-                    texts[co.index] = co.text if job.stream else texts[co.index] + co.text
-                    counts[co.index] += len(co.token_ids)
+                    i = co.index
+                    texts[i] += co.text
+                    step[i] += len(co.token_ids)
                     if co.finish_reason is not None:
-                        reasons[co.index] = str(co.finish_reason)
-                if job.stream or out.finished:
-                    if out.finished and not job.exclude_input and not job.stream and job.prompt is not None:
-                        texts = [job.prompt + t for t in texts]
-                    sink.send(Chunk(list(texts), list(reasons), len(ids), list(counts), final=out.finished))
-                    finished = out.finished
+                        reasons[i] = str(co.finish_reason)
+                    if co.cumulative_logprob is not None:
+                        cumulative[i] = float(co.cumulative_logprob)
+                    top = tops[i]
+                    if top is not None:
+                        top.extend(positions(co.logprobs))
+                if not (job.stream or out.finished):
+                    continue
+                counts = [a + b for a, b in zip(counts, step, strict=True)]
+                if out.finished and not job.exclude_input and not job.stream and job.prompt is not None:
+                    texts = [job.prompt + t for t in texts]
+                sink.send(Chunk(texts, list(reasons), len(ids), step, final=out.finished,
+                                cumulative_logprobs=list(cumulative) if job.return_cumulative_logprob else [],
+                                logprobs=tops if job.return_logprobs else []))
+                finished = out.finished
+                texts, step, tops = self._blank(n, want_logprobs)
             if not finished:
                 raise RuntimeError("the engine ended the request without a final output")
         except asyncio.CancelledError:

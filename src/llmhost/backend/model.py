@@ -11,10 +11,12 @@ Threads in the stub process:
   cancellation checks, metric pushes), so neither of the others ever waits on one.
   Each send blocks until tritonserver has taken the response, so several I/O
   threads (``response_threads``) keep several round trips in flight; a stream
-  always stays on one thread, which keeps its responses in order. Only a stream's
-  first and final chunks (and errors) wake an I/O thread; while streams are open it
-  ticks every ``stream_interval_ms`` for the deltas in between, so a busy engine
-  step does not cost one wake-up (and GIL hand-over) per stream.
+  always stays on one thread, which keeps its responses in order. By default every
+  engine step of a stream is one response (as NVIDIA's vllm_backend sends). A stream
+  with a window (``stream_interval_ms``, the model's or the request's) wakes an I/O
+  thread only with its first and final chunks (and errors); the deltas in between
+  wait for the thread's tick, at most the window, so a busy engine step does not
+  cost one wake-up (and GIL hand-over) per stream.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from llmhost.backend.config import ConfigError, ModelConfig, load_model_config, 
 from llmhost.backend.engine import Active, Chunk, EngineRunner, EngineStartError
 from llmhost.backend.errors import RequestError, safe_message
 from llmhost.backend.metrics import ServingMetrics, TritonExporter
+from llmhost.backend.outputs import finish_reasons, logprobs_json
 from llmhost.backend.request import (
     BOOL_INPUTS,
     MESSAGES,
@@ -56,6 +59,8 @@ INPUTS: list[dict[str, Any]] = [
 OUTPUTS: list[dict[str, Any]] = [
     {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
 ]
@@ -91,20 +96,24 @@ def _freeze_startup_heap() -> None:
 class _TritonSink:
     """Sends one request's results; every call only enqueues work for its I/O thread."""
 
-    __slots__ = ("active", "done", "flags", "io", "opened", "sender")
+    __slots__ = ("active", "done", "flags", "io", "opened", "sender", "window_s")
 
-    def __init__(self, io: _TritonIO, sender: Any, flags: tuple[bool, bool, bool]) -> None:
+    def __init__(self, io: _TritonIO, sender: Any, flags: frozenset[str] = frozenset(),
+                 window_s: float | None = None) -> None:
         self.io = io
         self.sender = sender
-        self.flags = flags
+        self.flags = flags  # the additional outputs asked for (the names of their return_* inputs)
+        # This stream's window (s): the request's stream_interval_ms, else the model's.
+        self.window_s = io.window.window_s if window_s is None else window_s
         self.active: Active | None = None
         self.done = False
         self.opened = False  # the engine thread queued this stream's first chunk
 
     def send(self, chunk: Chunk) -> None:
-        # The first and the final chunk wake the I/O thread; deltas in between wait
-        # for its next tick (they would be held for the stream window anyway).
-        urgent = chunk.final or not self.opened
+        # Without a window every chunk wakes the I/O thread. With one, only the first
+        # and the final chunk do; deltas in between wait for its next tick (they
+        # would be held for the window anyway).
+        urgent = chunk.final or not self.opened or self.window_s <= 0
         self.opened = True
         self.io.put(("chunk", self, chunk), urgent)
 
@@ -137,7 +146,7 @@ class _TritonIO:
 
     def put(self, item: tuple[str, Any, Any] | None, urgent: bool = True) -> None:
         self.items.append(item)
-        if urgent or self.window.window_s <= 0:
+        if urgent:
             self.wake.set()
 
     def _take(self) -> list[tuple[str, Any, Any] | None]:
@@ -168,7 +177,6 @@ class _TritonIO:
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         now = time.monotonic()
         last_flush = last_poll = now
-        next_tick = now + self.window.window_s
         running = True
         while running:
             timeout = self.interval - (now - last_poll)
@@ -177,24 +185,22 @@ class _TritonIO:
                 # the others last_flush never moves, and the timeout would stay
                 # negative, a busy loop burning a core while idle.
                 timeout = min(timeout, self.metrics_s - (now - last_flush))
-            if self.window.ticking:
-                # Streams are open: wake every window for their deltas, which do
-                # not wake this thread themselves.
-                timeout = min(timeout, next_tick - now)
+            due = self.window.next_due()
+            if due is not None:
+                # Held deltas do not wake this thread themselves: wake when the
+                # first of them is due.
+                timeout = min(timeout, due - now)
             if timeout > 0 and not self.items:
                 self.wake.wait(timeout)
             # Cleared before taking the items: an urgent put after this point sets
             # it again, so no wake-up is lost.
             self.wake.clear()
-            was_ticking = self.window.ticking
             running = not self._send_queued(pb, final)
             now = time.monotonic()
-            if not was_ticking:
-                next_tick = now + self.window.window_s
-            elif now >= next_tick:
-                self._tick(pb, final)
+            due = self.window.next_due()
+            if due is not None and now >= due:
+                self._tick(pb, final, now)
                 now = time.monotonic()
-                next_tick = now + self.window.window_s
             if now - last_poll >= self.interval:
                 # Requests that produced nothing lately (non-streaming ones, long
                 # prefills, held deltas) still get their cancellation checked.
@@ -210,12 +216,12 @@ class _TritonIO:
         if self.exporter is not None:
             self._flush(pb)
 
-    def _tick(self, pb: Any, final: int) -> None:
-        """Send every held delta. With many streams that is many round trips: an
-        urgent item (a first chunk, a final one, an error) that comes in meanwhile
-        goes first, and what is left of the tick goes back to the window, so each
-        stream's responses stay in order."""
-        items = self.window.flush()
+    def _tick(self, pb: Any, final: int, now: float) -> None:
+        """Send every held delta that is due by NOW. With many streams that is many
+        round trips: an urgent item (a first chunk, a final one, an error) that comes
+        in meanwhile goes first, and what is left of the tick goes back to the
+        window, so each stream's responses stay in order."""
+        items = self.window.flush_due(now)
         i = 0
         while i < len(items):
             self._handle(pb, final, items[i])
@@ -226,7 +232,7 @@ class _TritonIO:
                 if self._send_queued(pb, final):  # stopping: the main loop sees it next and sends the rest
                     self.items.appendleft(None)
                     self.wake.set()
-                items, i = self.window.flush(), 0
+                items, i = self.window.flush_due(time.monotonic()), 0
 
     def _handle(self, pb: Any, final: int, item: tuple[str, Any, Any]) -> None:
         kind, sink, payload = item
@@ -274,16 +280,26 @@ class _TritonIO:
 
     @staticmethod
     def _response(pb: Any, sink: _TritonSink, chunk: Chunk) -> Any:
-        want_reason, want_in, want_out = sink.flags
-        tensors = [pb.Tensor("text_output", np.array([t.encode("utf-8") for t in chunk.texts], dtype=np.object_))]
-        if want_reason:
-            tensors.append(pb.Tensor("finish_reason", np.array([r.encode() for r in chunk.finish_reasons],
-                                                               dtype=np.object_)))
-        if want_in:
+        """The response's tensors: text_output and the additional outputs asked for (outputs.py)."""
+        flags = sink.flags
+        tensors = [pb.Tensor("text_output", _strings(chunk.texts))]
+        if "return_finish_reason" in flags:
+            tensors.append(pb.Tensor("finish_reason", _strings(finish_reasons(chunk.finish_reasons))))
+        if "return_cumulative_logprob" in flags:
+            values = [np.nan if v is None else v for v in chunk.cumulative_logprobs]
+            tensors.append(pb.Tensor("cumulative_logprob", np.array(values, dtype=np.float32)))
+        if "return_logprobs" in flags:
+            tensors.append(pb.Tensor("logprobs", _strings(logprobs_json(chunk.logprobs))))
+        if "return_num_input_tokens" in flags:
             tensors.append(pb.Tensor("num_input_tokens", np.array([chunk.num_input_tokens], dtype=np.uint32)))
-        if want_out:
+        if "return_num_output_tokens" in flags:
             tensors.append(pb.Tensor("num_output_tokens", np.array(chunk.num_output_tokens, dtype=np.uint32)))
         return pb.InferenceResponse(output_tensors=tensors)
+
+
+def _strings(values: list[str]) -> Any:
+    """A STRING tensor's array."""
+    return np.array([v.encode("utf-8") for v in values], dtype=np.object_)
 
 
 class _TritonIOPool:
@@ -454,8 +470,8 @@ class TritonPythonModel:
                 self._internal_error(pb, sender, final, exc, cid)
                 continue
             try:
-                sink = _TritonSink(self.io.pick(), sender, (job.return_finish_reason, job.return_num_input_tokens,
-                                                            job.return_num_output_tokens))
+                window_s = None if job.stream_interval_ms is None else job.stream_interval_ms / 1000.0
+                sink = _TritonSink(self.io.pick(), sender, job.returns(), window_s)
                 active = self.runner.submit(job, sink)
                 sink.io.put(("track", sink, active.request_id), urgent=False)
             except Exception as exc:  # noqa: BLE001 - as above

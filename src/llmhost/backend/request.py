@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmhost.backend import jsonguard
-from llmhost.backend.config import BackendSettings
+from llmhost.backend.config import MAXIMA, BackendSettings
 from llmhost.backend.errors import RequestError
 from llmhost.backend.limits import MAX_PARAMETERS_BYTES
 from llmhost.backend.sampling import validate_sampling
@@ -22,7 +22,11 @@ MESSAGES = "messages"
 STREAM = "stream"
 SAMPLING_PARAMETERS = "sampling_parameters"
 EXCLUDE_INPUT = "exclude_input_in_output"
-RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+# Additional outputs, each asked for by a BOOL input of this name (vllm_backend's).
+RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
+                "return_num_output_tokens")
+# A request's own stream interval (ms): a request parameter, or a key of 'sampling_parameters'.
+STREAM_INTERVAL = "stream_interval_ms"
 BOOL_INPUTS = (STREAM, EXCLUDE_INPUT, *RETURN_FLAGS)
 MAX_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -68,13 +72,21 @@ class GenerateJob:
     exclude_input: bool
     sampling: dict[str, Any]
     return_finish_reason: bool = False
+    return_cumulative_logprob: bool = False
+    return_logprobs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    # The stream's own interval in ms (None: the model's stream_interval_ms).
+    stream_interval_ms: float | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     # UTF-8 bytes of the prompt, or of all messages' contents.
     prompt_bytes: int = 0
     # The client's request id (Triton's), for the log only: see client_id().
     client_id: str = ""
+
+    def returns(self) -> frozenset[str]:
+        """The additional outputs asked for, as the names of their return_* inputs."""
+        return frozenset(name for name in RETURN_FLAGS if getattr(self, name))
 
 
 def client_id(raw: object) -> str:
@@ -175,6 +187,22 @@ def _parameters(sampling_json: str | None, request_params: str | dict[str, Any] 
     return merged
 
 
+def stream_interval(value: Any) -> float:
+    """A request's ``stream_interval_ms``: a number (or a numeric string, as request
+    parameters may carry it) from 0 to the setting's own bound."""
+    limit = MAXIMA[STREAM_INTERVAL]
+    expected = f"'{STREAM_INTERVAL}' must be a number of milliseconds from 0 to {limit:g}"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise RequestError(f"{expected}, got {value!r}"[:200])
+    try:
+        out = float(value.strip()) if isinstance(value, str) else float(value)
+    except ValueError:
+        raise RequestError(f"{expected}, got {value[:40]!r}") from None
+    if not 0 <= out <= limit:  # NaN fails too
+        raise RequestError(f"{expected}, got {value!r}"[:200])
+    return out
+
+
 def _parameters_too_big(size: int) -> RequestError:
     return RequestError(f"input 'sampling_parameters' is {size} bytes; at most {MAX_PARAMETERS_BYTES} are allowed")
 
@@ -231,15 +259,20 @@ def parse_request(
             if not isinstance(value, bool):
                 raise RequestError(f"'{name}' must be true or false, got {value!r}")
             flags.setdefault(name, value)
+    interval = stream_interval(params.pop(STREAM_INTERVAL)) if STREAM_INTERVAL in params else None
+    stream = flags.get(STREAM, False)
+    if stream and flags.get(EXCLUDE_INPUT) is False:
+        # vllm_backend's rule: a stream never carries the prompt, so asking for it is an error.
+        raise RequestError(f"input '{EXCLUDE_INPUT}' cannot be false when streaming: a stream's responses "
+                           "carry only generated text; leave it out or set it true")
     sampling = validate_sampling(params, settings, limits.max_model_len if limits is not None else None)
     return GenerateJob(
         prompt=prompt,
         messages=messages,
-        stream=flags.get(STREAM, False),
+        stream=stream,
         exclude_input=flags.get(EXCLUDE_INPUT, settings.exclude_input_in_output) or messages is not None,
         sampling=sampling,
-        return_finish_reason=flags.get("return_finish_reason", False),
-        return_num_input_tokens=flags.get("return_num_input_tokens", False),
-        return_num_output_tokens=flags.get("return_num_output_tokens", False),
+        **{name: flags.get(name, False) for name in RETURN_FLAGS},
+        stream_interval_ms=interval,
         prompt_bytes=prompt_bytes,
     )

@@ -57,6 +57,9 @@ FIELDS: dict[str, str] = {
     "bad_words": "str_list",
     "logit_bias": "logit_bias",
     "allowed_token_ids": "int_list",
+    # Top-k log probabilities per generated token (the 'logprobs' output); vLLM
+    # bounds k by the engine's max_logprobs (20 unless model.json says otherwise).
+    "logprobs": "opt_int",
 }
 # Structured output: vLLM's StructuredOutputsParams fields, accepted either inside
 # "structured_outputs": {...} or at the top level under these names.
@@ -270,6 +273,9 @@ def validate_sampling(params: dict[str, Any], settings: BackendSettings,
     n = out.get("n", 1)
     if not 1 <= n <= settings.max_n:
         raise SamplingError(f"sampling parameter 'n' must be between 1 and {settings.max_n} (llmhost.max_n), got {n}")
+    if (out.get("logprobs") or 0) < 0:
+        raise SamplingError(f"sampling parameter 'logprobs' must be >= 0 (top log probabilities per token), "
+                            f"got {out['logprobs']}")
     if out.get("min_tokens", 0) < 0:
         raise SamplingError(f"sampling parameter 'min_tokens' must be >= 0, got {out['min_tokens']}")
     if out.get("min_tokens", 0) > out["max_tokens"]:

@@ -61,13 +61,13 @@ def _model_named(raw: bytes) -> str | None:
 
 
 async def _counted(pieces: AsyncIterator[Piece], rec: RequestRecord) -> AsyncIterator[Piece]:
-    """PIECES, keeping REC's token counts current (the backend's output counts are
-    cumulative per choice). Closing it closes PIECES (cancels the upstream call)."""
+    """PIECES, keeping REC's token counts current (the backend counts each response's
+    own tokens per choice). Closing it closes PIECES (cancels the upstream call)."""
     latest: dict[int, int] = {}
     try:
         async for piece in pieces:
             for i, count in enumerate(piece.num_output_tokens):
-                latest[i] = count
+                latest[i] = latest.get(i, 0) + count
             rec.output_tokens = sum(latest.values())
             if piece.num_input_tokens is not None:
                 rec.prompt_tokens = piece.num_input_tokens

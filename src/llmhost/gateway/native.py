@@ -4,7 +4,8 @@ limits and over the same gRPC upstream pool (never Triton's HTTP port):
 - ``POST /v2/models/{m}/generate`` and ``/generate_stream``: Triton's generate
   extension. The body's keys that are inputs of our backend (``text_input``,
   ``messages``, ``sampling_parameters``, ``stream``, ``exclude_input_in_output``,
-  ``return_finish_reason``, ``return_num_input_tokens``, ``return_num_output_tokens``)
+  ``return_finish_reason``, ``return_cumulative_logprob``, ``return_logprobs``,
+  ``return_num_input_tokens``, ``return_num_output_tokens``)
   become inputs; ``parameters`` (an object) and every other key become request
   parameters (objects and lists as JSON text). The answer: ``{"model_name",
   "model_version", <outputs>}`` (one-element outputs as a value), one per response as
@@ -24,7 +25,7 @@ import json
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -43,8 +44,8 @@ if TYPE_CHECKING:
     from llmhost.gateway.keys import ApiKey
 
 STRING_INPUTS = ("text_input", "messages", "sampling_parameters")
-BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-               "return_num_output_tokens")
+BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
+               "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")
 # Asked of the backend always (for usage and limits), returned only when the client asked.
 _COUNTS = ("return_num_input_tokens", "return_num_output_tokens")
 DEFAULT_MAX_TOKENS = 512
@@ -159,12 +160,27 @@ class NativeRequest:
         return msg
 
 
+def _join_logprobs(a: str, b: str) -> str:
+    """Two responses' logprobs of one completion (JSON lists, or null) as one."""
+    x, y = json.loads(a), json.loads(b)
+    return b if x is None else a if y is None else json.dumps([*x, *y])
+
+
+# How _whole joins the outputs of several responses that hold one completion's parts.
+_JOIN: dict[str, Callable[[Any, Any], Any]] = {
+    "text_output": lambda a, b: a + b,
+    "num_output_tokens": lambda a, b: a + b,
+    "logprobs": _join_logprobs,
+}
+
+
 def _scalar(values: list[Any]) -> Any:
     return values[0] if len(values) == 1 else values
 
 
 class _Counter:
-    """Keeps a request record's token counts from native responses' outputs."""
+    """Keeps a request record's token counts from native responses' outputs (each
+    response counts its own output tokens)."""
 
     def __init__(self, rec: RequestRecord) -> None:
         self.rec = rec
@@ -173,7 +189,7 @@ class _Counter:
         if outputs.get("num_input_tokens"):
             self.rec.prompt_tokens = int(outputs["num_input_tokens"][0])
         if outputs.get("num_output_tokens"):
-            self.rec.output_tokens = int(sum(outputs["num_output_tokens"]))
+            self.rec.output_tokens += int(sum(outputs["num_output_tokens"]))
 
 
 class NativeApi:
@@ -289,15 +305,17 @@ class NativeApi:
 
     async def _whole(self, req: NativeRequest, responses: AsyncIterator[tuple[Any, dict[str, list[Any]]]]
                      ) -> dict[str, Any]:
-        """One answer from all responses: texts joined per completion, the rest the latest."""
+        """One answer from all responses: per completion, texts and log probabilities
+        joined and output tokens added up; the rest the latest."""
         merged: dict[str, list[Any]] = {}
         last: Any = None
         async for resp, outputs in responses:
             last = resp
             for name, values in outputs.items():
-                if name == "text_output" and name in merged:
+                join = _JOIN.get(name)
+                if join is not None and name in merged:
                     old = merged[name]
-                    merged[name] = [(old[i] if i < len(old) else "") + v for i, v in enumerate(values)]
+                    merged[name] = [join(old[i], v) if i < len(old) else v for i, v in enumerate(values)]
                 else:
                     merged[name] = values
         if last is None:

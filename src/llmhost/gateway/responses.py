@@ -24,8 +24,13 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+# The backend's finish_reason for a completion still running (vllm_backend's str(None)).
+UNFINISHED = "None"
+
+
 def _finish(reasons: list[str], i: int) -> str | None:
-    return (reasons[i] or None) if i < len(reasons) else None
+    reason = reasons[i] if i < len(reasons) else ""
+    return reason if reason and reason != UNFINISHED else None
 
 
 def usage(num_input: int | None, num_output: list[int]) -> dict[str, int]:
@@ -49,7 +54,7 @@ class Accumulator:
         if piece.num_input_tokens is not None:
             self.num_input = piece.num_input_tokens
         for i, count in enumerate(piece.num_output_tokens[:len(self.num_output)]):
-            self.num_output[i] = count
+            self.num_output[i] += count  # the backend counts each response's own tokens
 
 
 def completion_body(req: BackendRequest, acc: Accumulator, rid: str, created: int) -> dict[str, Any]:

@@ -332,7 +332,8 @@ def _stream(outcome: dict[str, Any], close: threading.Event) -> None:
                     if "error" in event:
                         outcome["error"] = event["error"]
                         return
-                    outcome["tokens"] = event.get("num_output_tokens")
+                    # Each response counts its own tokens.
+                    outcome["tokens"] = (outcome.get("tokens") or 0) + int(event.get("num_output_tokens") or 0)
                 if close.is_set():
                     break  # leaving the with block closes the connection mid-stream
     except OSError as exc:

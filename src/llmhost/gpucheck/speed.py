@@ -6,13 +6,14 @@ model of gpu_check.py and measures, with `llmhost bench` spread over several cli
 processes (64-word prompts, 128 output tokens, ignore_eos, a fixed duration per
 concurrency level):
 
-* `triton`: `llmhost serve --device gpu --setting stream_interval_ms=0`, one response
-  per engine step (vLLM's server sends one SSE event per token), through Triton's HTTP
+* `triton`: `llmhost serve --device gpu --setting stream_interval_ms=0` (the default
+  since 2026-11-25, given explicitly for older runs' sake), one response per engine
+  step (vLLM's server sends one SSE event per token), through Triton's HTTP
   `/generate_stream`;
 * `vllm`: `python3 -m vllm.entrypoints.openai.api_server` with the same engine
   arguments, through `/v1/completions` (`--kind openai`);
-* `grouped` (unless --no-grouped): `llmhost serve` with the default stream window
-  (`stream_interval_ms` 50), beside the pair, compared with vLLM too.
+* `grouped` (unless --no-grouped): `llmhost serve --setting stream_interval_ms=50`, the
+  stream window (the default before 2026-11-25), beside the pair, compared with vLLM too.
 
 * `uvloop` (with --uvloop): the `triton` server with the engine thread's loop on uvloop
   (LLMHOST_EVENT_LOOP=uvloop);
@@ -68,7 +69,7 @@ LOGS = {"triton": "serve-triton.log", "grouped": "serve-grouped.log", "vllm": "v
 KINDS = {"triton": "http", "grouped": "http", "vllm": "openai", "uvloop": "http", "variant": "http"}
 STREAMING = {
     "triton": "Triton HTTP SSE (/generate_stream), stream_interval_ms=0: one response per engine step",
-    "grouped": "Triton HTTP SSE (/generate_stream), stream_interval_ms=50 (default): deltas grouped per stream",
+    "grouped": "Triton HTTP SSE (/generate_stream), stream_interval_ms=50: deltas grouped per stream",
     "vllm": "OpenAI SSE (/v1/completions), one event per engine step",
     "uvloop": "as triton, with the engine thread's loop on uvloop (LLMHOST_EVENT_LOOP=uvloop)",
     "variant": "as triton, with the backend settings of --variant",
@@ -76,6 +77,7 @@ STREAMING = {
 # The per-step Triton path and its variants: the same settings but for an env var (uvloop)
 # or the backend settings given with --variant.
 PER_STEP = ("triton", "uvloop", "variant")
+GROUPED_MS = 50  # the grouped side's stream window
 SIDE_ENV = {"uvloop": {"LLMHOST_EVENT_LOOP": "uvloop"}}
 # Issue 14: the per-step Triton path against vLLM's server, at every level.
 GOAL = {"path": "triton", "base": "vllm", "min_tps_ratio": 0.97, "max_ttft_ratio": 1.10}
@@ -360,6 +362,8 @@ class Server:
                 cmd += ["--engine-arg", f"{k}={json.dumps(v)}"]
         if self.side in PER_STEP:
             cmd += ["--setting", "stream_interval_ms=0"]
+        elif self.side == "grouped":
+            cmd += ["--setting", f"stream_interval_ms={GROUPED_MS}"]
         for kv in self.settings:
             cmd += ["--setting", kv]
         return cmd
@@ -742,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
                      "prompt_words": args.prompt_words, "output_tokens": args.output_tokens, "ignore_eos": True,
                      "client_processes": args.processes, "client": "llmhost bench on the same host"},
         "engine_args": {side: dict(engine) for side in sides}, "streaming": {s: STREAMING[s] for s in sides},
-        "settings": {"triton": {"stream_interval_ms": 0}, "grouped": {},
+        "settings": {"triton": {"stream_interval_ms": 0}, "grouped": {"stream_interval_ms": GROUPED_MS},
                      **({"uvloop": {"stream_interval_ms": 0, "env": SIDE_ENV["uvloop"]}} if args.uvloop else {}),
                      **({"variant": {"stream_interval_ms": 0, **dict(kv.split("=", 1) for kv in args.variant)}}
                         if args.variant else {})},

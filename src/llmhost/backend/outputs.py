@@ -1,0 +1,48 @@
+"""The additional outputs of a response, as NVIDIA's vllm_backend names and shapes them.
+
+Pure Python (no Triton, no vLLM import). Each is sent only when its ``return_*``
+input asked for it, on every response of the request, one element per completion
+(``n``) except ``num_input_tokens``:
+
+- ``finish_reason`` (STRING): vLLM's reason for a completion that finished, and
+  ``"None"`` for one still running (vllm_backend sends ``str(None)``);
+- ``cumulative_logprob`` (FP32): the sum of the log probabilities of the
+  completion's tokens so far;
+- ``logprobs`` (STRING): JSON, per token generated since the previous response, an
+  object of token id -> ``{"logprob", "rank", "decoded_token"}`` (the sampled token
+  and the top ``logprobs``); ``null`` when the ``logprobs`` sampling parameter was
+  not given;
+- ``num_input_tokens`` (UINT32, one element): the prompt's tokens;
+- ``num_output_tokens`` (UINT32): the completion's tokens in this response.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+UNFINISHED = "None"
+# One position's log probabilities: token id (a string, as JSON keys are) -> its entry.
+Position = dict[str, dict[str, Any]]
+
+
+def position(top: Mapping[int, Any] | None) -> Position:
+    """One position of vLLM's logprobs ({token id: Logprob}) as plain data."""
+    return {str(token_id): {"logprob": float(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token_id, lp in (top or {}).items()}
+
+
+def positions(seq: Iterable[Mapping[int, Any] | None] | None) -> list[Position]:
+    """vLLM's logprobs of some generated tokens (a list or its FlatLogprobs) as plain data."""
+    return [position(top) for top in seq or ()]
+
+
+def finish_reasons(reasons: list[str]) -> list[str]:
+    """The finish_reason output: ``"None"`` for a completion still running."""
+    return [r or UNFINISHED for r in reasons]
+
+
+def logprobs_json(per_completion: list[list[Position] | None]) -> list[str]:
+    """The logprobs output: one JSON text per completion (``null`` when not asked of vLLM)."""
+    return [json.dumps(p) for p in per_completion]
