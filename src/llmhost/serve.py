@@ -31,6 +31,7 @@ from typing import Any
 from llmhost.admin_key import HEADER as ADMIN_HEADER
 from llmhost.admin_key import ensure_key_file, restriction
 from llmhost.backend.config import BackendSettings
+from llmhost.backend.lora import MULTI_LORA_JSON
 from llmhost.backend.watchdog import describe_exit
 from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir, render
 from llmhost.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop, remove_stop_files
@@ -64,6 +65,8 @@ class ServeOptions:
     # The key of Triton's admin APIs (llmhost.admin_key); default WORKDIR/admin-key,
     # created with a new key if missing.
     admin_key_file: Path | None = None
+    # A multi_lora.json copied beside model.json as it is (llmhost.backend.lora).
+    multi_lora: Path | None = None
 
 
 def detect_device() -> str:
@@ -146,7 +149,12 @@ def prepare(opts: ServeOptions) -> tuple[list[str], dict[str, str], Path]:
     repo = workdir / "models"
     if repo.exists():
         shutil.rmtree(repo)
-    make_model_dir(repo, model_entry(opts, device))
+    model_dir = make_model_dir(repo, model_entry(opts, device))
+    if opts.multi_lora is not None:
+        try:
+            shutil.copyfile(opts.multi_lora, model_dir / MULTI_LORA_JSON)
+        except OSError as exc:
+            raise SystemExit(f"llmhost serve: cannot copy --multi-lora {opts.multi_lora}: {exc}") from None
     env = server_environment(workdir, device, opts.kv_cache_gib, triton)
     admin_key, _ = ensure_key_file(opts.admin_key_file or workdir / ADMIN_KEY_FILE)
     return server_command(triton, workdir, opts, device, admin_key), env, workdir

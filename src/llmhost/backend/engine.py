@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from llmhost.backend.config import ModelConfig
 from llmhost.backend.errors import RequestError
 from llmhost.backend.failures import ENGINE_ERROR, INVALID_REQUEST, classify
+from llmhost.backend.lora import find_adapter, lora_request
 from llmhost.backend.metrics import ServingMetrics
 from llmhost.backend.prompts import UTF8_MAX_BYTES, PromptEncoder, derived_prompt_bytes, longest_token_chars
 from llmhost.backend.request import GenerateJob, RequestLimits, client_label
@@ -461,7 +462,10 @@ class EngineRunner:
             texts = [""] * n
             reasons = [""] * n
             finished = False
-            async for out in self._engine.generate({"prompt_token_ids": ids}, params, active.request_id):
+            # The adapter, when the request names one (checked again: the model's adapters are fixed at load).
+            lora = ({"lora_request": lora_request(find_adapter(job.lora_name, self.config.adapters))}
+                    if job.lora_name is not None else {})
+            async for out in self._engine.generate({"prompt_token_ids": ids}, params, active.request_id, **lora):
                 if job.stream:
                     texts = [""] * n
                 for co in out.outputs:

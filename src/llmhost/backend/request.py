@@ -15,6 +15,7 @@ from llmhost.backend import jsonguard
 from llmhost.backend.config import BackendSettings
 from llmhost.backend.errors import RequestError
 from llmhost.backend.limits import MAX_PARAMETERS_BYTES
+from llmhost.backend.lora import request_lora_name
 from llmhost.backend.sampling import validate_sampling
 
 TEXT_INPUT = "text_input"
@@ -75,6 +76,9 @@ class GenerateJob:
     prompt_bytes: int = 0
     # The client's request id (Triton's), for the log only: see client_id().
     client_id: str = ""
+    # The LoRA adapter the request names (sampling parameter lora_name), checked
+    # against the model's adapters by the caller (llmhost.backend.lora).
+    lora_name: str | None = None
 
 
 def client_id(raw: object) -> str:
@@ -231,6 +235,7 @@ def parse_request(
             if not isinstance(value, bool):
                 raise RequestError(f"'{name}' must be true or false, got {value!r}")
             flags.setdefault(name, value)
+    lora_name = request_lora_name(params)
     sampling = validate_sampling(params, settings, limits.max_model_len if limits is not None else None)
     return GenerateJob(
         prompt=prompt,
@@ -242,4 +247,5 @@ def parse_request(
         return_num_input_tokens=flags.get("return_num_input_tokens", False),
         return_num_output_tokens=flags.get("return_num_output_tokens", False),
         prompt_bytes=prompt_bytes,
+        lora_name=lora_name,
     )
