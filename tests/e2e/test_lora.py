@@ -77,7 +77,9 @@ def test_lora_name_in_sampling_parameters_over_grpc(lora_server: Server):
 
 
 @pytest.mark.parametrize(("name", "needle"), [
-    ("gamma", "sampling parameter 'lora_name': unknown LoRA adapter 'gamma'; this model serves 'alpha', 'beta'"),
+    # vllm_backend's sentence, then ours naming the parameter.
+    ("gamma", "LoRA gamma is not supported, we currently support ['alpha', 'beta']; sampling parameter 'lora_name' "
+              "must name an adapter of the model's multi_lora.json"),
     ("", "sampling parameter 'lora_name' must be an adapter's name"),
     (7, "sampling parameter 'lora_name' must be an adapter's name"),
 ])

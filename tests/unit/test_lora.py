@@ -105,8 +105,12 @@ def test_bad_lora_name(value: object):
 def test_find_adapter():
     table = (Adapter("alpha", 1, "/a"), Adapter("beta", 2, "/b"))
     assert find_adapter("beta", table) == table[1]
-    with pytest.raises(RequestError, match="unknown LoRA adapter 'gamma'; this model serves 'alpha', 'beta'"):
+    with pytest.raises(RequestError) as err:
         find_adapter("gamma", table)
+    assert str(err.value) == ("LoRA gamma is not supported, we currently support ['alpha', 'beta']; sampling "
+                              "parameter 'lora_name' must name an adapter of the model's multi_lora.json")
+    with pytest.raises(RequestError, match=r"^LoRA 'a\\nb' is not supported"):
+        find_adapter("a\nb", table)
     with pytest.raises(RequestError) as err:
         find_adapter("alpha", ())
     assert str(err.value).startswith(NOT_ENABLED) and "enable_lora" in str(err.value)

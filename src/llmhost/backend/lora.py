@@ -156,8 +156,10 @@ def find_adapter(name: str, adapters: tuple[Adapter, ...]) -> Adapter:
     for adapter in adapters:
         if adapter.name == name:
             return adapter
-    raise RequestError(f"sampling parameter '{LORA_NAME}': unknown LoRA adapter {shown(name)}; this model serves "
-                       f"{', '.join(repr(a.name) for a in adapters)}")
+    # vllm_backend's sentence first (clients may match on it), then which parameter and where names come from.
+    given = name if _NAME.fullmatch(name) else shown(name)
+    raise RequestError(f"LoRA {given} is not supported, we currently support {[a.name for a in adapters]}; "
+                       f"sampling parameter '{LORA_NAME}' must name an adapter of the model's {MULTI_LORA_JSON}")
 
 
 def lora_request(adapter: Adapter) -> Any:
