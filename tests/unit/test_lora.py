@@ -147,3 +147,18 @@ def test_tiny_adapter_refuses_foreign_directory(tmp_path: Path):
     (tmp_path / "keep.txt").write_text("keep")
     with pytest.raises(ValueError, match="refusing to overwrite"):
         write_tiny_lora(tmp_path)
+
+
+def test_vllm_backend_layout_reads_the_version_directorys_file(tmp_path: Path, adapter: Path):
+    """<model>/1/model.json (vllm_backend's place) takes multi_lora.json from <model>/1/ too."""
+    from llmhost.backend.config import load_model_config, locate_model_json
+
+    model = tmp_path / "repo" / "m"
+    (model / "1").mkdir(parents=True)
+    (model / "model.json").write_text(json.dumps({"model": "/m"}))
+    (model / "multi_lora.json").write_text(json.dumps({"wrong": str(adapter)}))
+    (model / "1" / "model.json").write_text(json.dumps({"model": "/m", "enable_lora": "true"}))
+    (model / "1" / "multi_lora.json").write_text(json.dumps({"alpha": str(adapter)}))
+    path, _ = locate_model_json(model, "1")
+    config, _ = with_adapters(load_model_config(path), path)
+    assert [a.name for a in config.adapters] == ["alpha"]
