@@ -29,6 +29,25 @@ def _port(text: str) -> int:
     return value
 
 
+def _write_tiny(command: str, out: Path, seed: int) -> int:
+    """`llmhost tiny-model` and `llmhost tiny-lora`: generated, nothing downloaded."""
+    if command == "tiny-model":
+        from llmhost.tiny_model import write_tiny_model as write
+
+        what = "tiny model"
+    else:
+        from llmhost.tiny_lora import write_tiny_lora as write
+
+        what = "tiny LoRA adapter"
+    try:
+        path = write(out, seed=seed)
+    except ValueError as exc:
+        print(f"llmhost {command}: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {what} to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmhost", description="Serve LLMs with Triton + vLLM on bare metal.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -36,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny-model", help="write a tiny random Qwen2-style model (no downloads)")
     t.add_argument("dir", type=Path)
     t.add_argument("--seed", type=int, default=0)
+
+    a = sub.add_parser("tiny-lora", help="write a tiny LoRA adapter for the tiny model (no downloads)")
+    a.add_argument("dir", type=Path)
+    a.add_argument("--seed", type=int, default=1)
 
     s = sub.add_parser("serve", help="run tritonserver with the llmhost vLLM backend in the foreground")
     s.add_argument("--model", type=Path, required=True, help="Hugging Face model directory")
@@ -61,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra vLLM engine argument (value parsed as JSON when it can be)")
     s.add_argument("--setting", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="a backend setting of model.json's llmhost section, e.g. --setting stream_interval_ms=0")
+    s.add_argument("--multi-lora", type=Path, metavar="PATH",
+                   help="a multi_lora.json (LoRA adapter names -> directories) to put beside model.json; "
+                        "LoRA also needs --engine-arg enable_lora=true")
     s.add_argument("--admin-key-file", type=Path, metavar="PATH",
                    help="file with the key of Triton's admin APIs (header llmhost-admin-key), created with a "
                         "new key if missing (default: WORKDIR/admin-key)")
@@ -222,16 +248,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return gateway_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "tiny-model":
-        from llmhost.tiny_model import write_tiny_model
-
-        try:
-            path = write_tiny_model(args.dir, seed=args.seed)
-        except ValueError as exc:
-            print(f"llmhost tiny-model: {exc}", file=sys.stderr)
-            return 2
-        print(f"wrote tiny model to {path}")
-        return 0
+    if args.command in ("tiny-model", "tiny-lora"):
+        return _write_tiny(args.command, args.dir, args.seed)
     if args.command == "serve":
         from llmhost.admin_key import AdminKeyError
         from llmhost.layout import LayoutError
@@ -246,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             max_n=args.max_n, drain_timeout_s=args.drain_timeout, kv_cache_gib=args.kv_cache_gib,
             engine_args=dict(args.engine_arg), settings=dict(args.setting), triton_args=list(args.triton_arg),
             kind=args.kind, gpus=args.gpus,
+            multi_lora=args.multi_lora,
         )
         try:
             return run(opts, max_restarts=args.max_restarts)

@@ -31,6 +31,7 @@ from typing import Any
 from llmhost.admin_key import HEADER as ADMIN_HEADER
 from llmhost.admin_key import ensure_key_file, restriction
 from llmhost.backend.config import BackendSettings
+from llmhost.backend.lora import MULTI_LORA_JSON
 from llmhost.backend.watchdog import describe_exit
 from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir, render
 from llmhost.placement import plan
@@ -68,6 +69,8 @@ class ServeOptions:
     # Triton instance kind and GPUs; None: llmhost.placement's rule (the roles' too).
     kind: str | None = None
     gpus: list[int] | None = None
+    # A multi_lora.json copied beside model.json as it is (llmhost.backend.lora).
+    multi_lora: Path | None = None
 
 
 def gpu_count() -> int | None:
@@ -163,7 +166,12 @@ def prepare(opts: ServeOptions) -> tuple[list[str], dict[str, str], Path]:
     repo = workdir / "models"
     if repo.exists():
         shutil.rmtree(repo)
-    make_model_dir(repo, model_entry(opts, device))
+    model_dir = make_model_dir(repo, model_entry(opts, device))
+    if opts.multi_lora is not None:
+        try:
+            shutil.copyfile(opts.multi_lora, model_dir / MULTI_LORA_JSON)
+        except OSError as exc:
+            raise SystemExit(f"llmhost serve: cannot copy --multi-lora {opts.multi_lora}: {exc}") from None
     env = server_environment(workdir, device, opts.kv_cache_gib, triton)
     admin_key, _ = ensure_key_file(opts.admin_key_file or workdir / ADMIN_KEY_FILE)
     return server_command(triton, workdir, opts, device, admin_key), env, workdir

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llmhost.backend.lora import Adapter
 
 SETTINGS_KEY = "llmhost"
 MODEL_JSON = "model.json"
@@ -77,6 +80,8 @@ class BackendSettings:
 class ModelConfig:
     engine_args: dict[str, Any]
     settings: BackendSettings
+    # LoRA adapters from multi_lora.json, when enable_lora is true (llmhost.backend.lora).
+    adapters: tuple[Adapter, ...] = field(default=())
 
 
 # Upper bounds where a larger value is surely a mistake (a typo of units, a runaway thread count).

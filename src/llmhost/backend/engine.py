@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from llmhost.backend.config import ModelConfig
 from llmhost.backend.errors import RequestError
 from llmhost.backend.failures import ENGINE_ERROR, INVALID_REQUEST, classify
+from llmhost.backend.lora import find_adapter, lora_request
 from llmhost.backend.metrics import ServingMetrics
 from llmhost.backend.outputs import Position, positions
 from llmhost.backend.prompts import UTF8_MAX_BYTES, PromptEncoder, derived_prompt_bytes, longest_token_chars
@@ -482,7 +483,10 @@ class EngineRunner:
             want_logprobs = job.return_logprobs and job.sampling.get("logprobs") is not None
             finished = False
             texts, step, tops = self._blank(n, want_logprobs)
-            async for out in self._engine.generate({"prompt_token_ids": ids}, params, active.request_id):
+            # The adapter, when the request names one (checked again: the model's adapters are fixed at load).
+            lora = ({"lora_request": lora_request(find_adapter(job.lora_name, self.config.adapters))}
+                    if job.lora_name is not None else {})
+            async for out in self._engine.generate({"prompt_token_ids": ids}, params, active.request_id, **lora):
                 # A stream's outputs are deltas (DELTA), one response each; else vLLM
                 # gives the whole request once (FINAL_ONLY), kept until it finished. A
                 # completion absent from an output made no progress in it.

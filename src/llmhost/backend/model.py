@@ -38,6 +38,7 @@ from llmhost.backend.coalesce import StreamWindow, coalesce
 from llmhost.backend.config import ConfigError, ModelConfig, load_model_config, locate_model_json
 from llmhost.backend.engine import Active, Chunk, EngineRunner, EngineStartError
 from llmhost.backend.errors import RequestError, safe_message
+from llmhost.backend.lora import find_adapter, with_adapters
 from llmhost.backend.metrics import ServingMetrics, TritonExporter
 from llmhost.backend.outputs import finish_reasons, logprobs_json
 from llmhost.backend.request import (
@@ -392,9 +393,11 @@ class TritonPythonModel:
         model_dir = Path(args["model_repository"]) if "model_repository" in args else Path(".")
         try:
             path, ignored = locate_model_json(model_dir, str(args.get("model_version", "1")))
-            config = load_model_config(path)
+            config, lora_note = with_adapters(load_model_config(path), path)
         except ConfigError as exc:
             raise pb.TritonModelException(str(exc)) from None
+        if lora_note:
+            pb.Logger.log_info(f"[llmhost] {lora_note}")
         for other in ignored:
             pb.Logger.log_warn(f"[llmhost] {other} is ignored: {path} takes precedence")
         pb.Logger.log_info(f"[llmhost] settings from {path}")
@@ -461,6 +464,8 @@ class TritonPythonModel:
                     inputs[name] = tensor.as_numpy() if tensor is not None else None
                 job = parse_request(inputs, request.parameters(), settings, self.runner.limits)
                 job.client_id = cid
+                if job.lora_name is not None:
+                    find_adapter(job.lora_name, self.config.adapters)
             except RequestError as exc:
                 self.metrics.inc("vllm:request_failed_total", label="invalid_request")
                 sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(safe_message(str(exc)))),

@@ -15,6 +15,7 @@ from llmhost.backend import jsonguard
 from llmhost.backend.config import MAXIMA, BackendSettings
 from llmhost.backend.errors import RequestError
 from llmhost.backend.limits import MAX_PARAMETERS_BYTES
+from llmhost.backend.lora import request_lora_name
 from llmhost.backend.sampling import validate_sampling
 
 TEXT_INPUT = "text_input"
@@ -83,6 +84,9 @@ class GenerateJob:
     prompt_bytes: int = 0
     # The client's request id (Triton's), for the log only: see client_id().
     client_id: str = ""
+    # The LoRA adapter the request names (sampling parameter lora_name), checked
+    # against the model's adapters by the caller (llmhost.backend.lora).
+    lora_name: str | None = None
 
     def returns(self) -> frozenset[str]:
         """The additional outputs asked for, as the names of their return_* inputs."""
@@ -265,6 +269,7 @@ def parse_request(
         # vllm_backend's rule: a stream never carries the prompt, so asking for it is an error.
         raise RequestError(f"input '{EXCLUDE_INPUT}' cannot be false when streaming: a stream's responses "
                            "carry only generated text; leave it out or set it true")
+    lora_name = request_lora_name(params)
     sampling = validate_sampling(params, settings, limits.max_model_len if limits is not None else None)
     return GenerateJob(
         prompt=prompt,
@@ -275,4 +280,5 @@ def parse_request(
         **{name: flags.get(name, False) for name in RETURN_FLAGS},
         stream_interval_ms=interval,
         prompt_bytes=prompt_bytes,
+        lora_name=lora_name,
     )

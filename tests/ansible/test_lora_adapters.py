@@ -1,0 +1,160 @@
+"""LoRA adapters deployed from the inventory: the model_repository role stages each
+model's adapters like its weights (a generated tiny one, a local directory, a URL
+archive) and writes multi_lora.json beside model.json, which then sets enable_lora.
+
+The whole role runs for real on this machine (connection local) into a temporary
+prefix; the backend's own loader (llmhost.backend.lora) then reads what it wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tarfile
+import threading
+from collections.abc import Iterator
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from llmhost.backend.config import load_model_config
+from llmhost.backend.lora import with_adapters
+from llmhost.tiny_lora import write_tiny_lora
+from tests.ansible._helpers import PlaybookRun, ansible_playbook
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the role writes root-owned directories")
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A directory served over HTTP (a stand-in for a site's artifact server) and its URL."""
+    root = tmp_path / "files"
+    root.mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_Quiet, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _fake_model(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"model_type": "qwen2"}\n')
+    return path
+
+
+def _venv(tmp_path: Path) -> Path:
+    """A venv for the role whose bin/llmhost is this checkout's (tiny-lora)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    exe = venv / "bin" / "llmhost"
+    src = Path(__file__).resolve().parents[2] / "src"
+    exe.write_text(f'#!/bin/sh\nPYTHONPATH={src} exec {sys.executable} -m llmhost.cli "$@"\n')
+    exe.chmod(0o755)
+    return venv
+
+
+def _run(tmp_path: Path, models: list[dict[str, Any]]) -> PlaybookRun:
+    variables = {
+        "llmhost_profile": "cpu",
+        "llmhost_prefix": str(tmp_path / "prefix"),
+        "llmhost_venv_dir": str(_venv(tmp_path)),
+        "llmhost_models": models,
+    }
+    (tmp_path / "vars.json").write_text(json.dumps(variables))
+    play = [{"name": "Deploy the model repository", "hosts": "inference", "gather_facts": False,
+             "roles": ["model_repository"],
+             "handlers": [{"name": "Note the change", "ansible.builtin.debug": {"msg": "model repository changed"},
+                           "listen": "model_repository changed"}]}]
+    book = tmp_path / "deploy.yml"
+    book.write_text(yaml.safe_dump(play, sort_keys=False))
+    return ansible_playbook("-i", "inventory/localhost.yml", "-e", f"@{tmp_path / 'vars.json'}", str(book),
+                            timeout=600)
+
+
+def test_adapters_are_staged_and_listed_idempotently(tmp_path: Path, files: tuple[Path, str]) -> None:
+    root, url = files
+    base = _fake_model(tmp_path / "base-weights")
+    mine = write_tiny_lora(tmp_path / "mine", seed=3)
+    packed = write_tiny_lora(tmp_path / "packed-src" / "adapter", seed=4)
+    with tarfile.open(root / "packed.tar.gz", "w:gz") as tar:
+        tar.add(packed, arcname="adapter")
+    sha = hashlib.sha256((root / "packed.tar.gz").read_bytes()).hexdigest()
+    adapters = [
+        {"name": "gen", "source": "tiny", "seed": 5},
+        {"name": "mine", "source": "local", "path": str(mine)},
+        {"name": "packed", "source": "url", "url": f"{url}/packed.tar.gz", "sha256": sha, "archive_root": "adapter"},
+    ]
+    models = [{"name": "base", "source": "local", "path": str(base), "lora_adapters": adapters,
+               "engine_args": {"max_lora_rank": 8}},
+              {"name": "plain", "source": "local", "path": str(base)}]
+    run = _run(tmp_path, models)
+    assert run.rc == 0, run.output
+    weights = tmp_path / "prefix" / "weights"
+    repo = tmp_path / "prefix" / "models"
+    multi = json.loads((repo / "base" / "multi_lora.json").read_text())
+    assert list(multi) == ["gen", "mine", "packed"]  # the inventory's order: the ids follow it
+    assert multi == {"gen": str(weights / "base" / "lora-gen" / "tiny-seed5"), "mine": str(mine),
+                     "packed": str(weights / "base" / f"lora-packed/url-{sha[:16]}/adapter")}
+    for directory in multi.values():
+        assert json.loads((Path(directory) / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    # The backend loads what the role wrote: enable_lora on, the adapters in order with ids 1, 2, 3.
+    config, note = with_adapters(load_model_config(repo / "base" / "model.json"), repo / "base" / "model.json")
+    assert "gen, mine, packed" in note
+    assert config.engine_args["enable_lora"] is True and config.engine_args["max_lora_rank"] == 8
+    assert [(a.name, a.int_id, a.path) for a in config.adapters] == [
+        (name, i, multi[name]) for i, name in enumerate(multi, start=1)]
+    assert not (repo / "plain" / "multi_lora.json").exists()
+    assert "enable_lora" not in json.loads((repo / "plain" / "model.json").read_text())
+
+    again = _run(tmp_path, models)
+    assert again.rc == 0, again.output
+    assert again.recap()["localhost"]["changed"] == 0, again.output
+
+    # Adapters removed from the inventory: multi_lora.json and enable_lora go.
+    models[0] = {k: v for k, v in models[0].items() if k != "lora_adapters"}
+    removed = _run(tmp_path, models)
+    assert removed.rc == 0, removed.output
+    assert not (repo / "base" / "multi_lora.json").exists()
+    assert "enable_lora" not in json.loads((repo / "base" / "model.json").read_text())
+    assert "model repository changed" in removed.output
+
+
+@pytest.mark.parametrize(("adapters", "needles"), [
+    # The role's argument_specs refuse a wrong type or an unknown source; the preflight the rest.
+    ([{"name": "a", "source": "ftp"}],
+     ("value of source must be one of", "got: ftp", "llmhost_models -> lora_adapters")),
+    ([{"name": "a", "source": "url", "url": "http://x/a.tgz"}], ("LoRA adapter a of model base", "missing: sha256")),
+    ([{"name": "a", "source": "tiny"}, {"name": "a", "source": "tiny"}], ("LoRA adapter a of model base", "unique")),
+    ([{"name": "../up", "source": "tiny"}], ("LoRA adapter ../up of model base", "must be unique and match")),
+    ("alpha", ("'lora_adapters' found in 'llmhost_models' is of type str",)),
+])
+def test_bad_adapters_fail_naming_model_and_adapter(tmp_path: Path, adapters: Any, needles: tuple[str, ...]) -> None:
+    base = _fake_model(tmp_path / "base-weights")
+    run = _run(tmp_path, [{"name": "base", "source": "local", "path": str(base), "lora_adapters": adapters}])
+    failure = run.failure()
+    for needle in needles:
+        assert needle in failure, failure[:3000]
+    assert not (tmp_path / "prefix" / "models").exists(), "nothing is written when preflight fails"
+
+
+def test_adapter_directory_without_adapter_config_fails(tmp_path: Path) -> None:
+    base = _fake_model(tmp_path / "base-weights")
+    empty = tmp_path / "not-an-adapter"
+    empty.mkdir()
+    run = _run(tmp_path, [{"name": "base", "source": "local", "path": str(base),
+                           "lora_adapters": [{"name": "x", "source": "local", "path": str(empty)}]}])
+    failure = run.failure()
+    assert "No adapter_config.json" in failure and "base/x" in failure and str(empty) in failure, failure[:3000]
