@@ -79,6 +79,7 @@ class FakeEngine:
     def from_engine_args(cls, args: Any, usage_context: Any = None, stat_loggers: Any = None) -> FakeEngine:
         engine = cls()
         engine.usage_context = usage_context
+        engine.stat_loggers = stat_loggers
         engine.start_method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
         return engine
 
@@ -155,7 +156,8 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def make_runner(restart: bool = True, drain_timeout_s: float = 30, stop_file: Path | None = None,
-                server_pid: int = 4242, **settings: Any) -> tuple[EngineRunner, Log, Log, list[int], ServingMetrics]:
+                server_pid: int = 4242, runner_kwargs: dict[str, Any] | None = None,
+                **settings: Any) -> tuple[EngineRunner, Log, Log, list[int], ServingMetrics]:
     config = parse_model_config({"model": "/nowhere", "llmhost": {"exit_server_on_engine_death": restart,
                                                                   "drain_timeout_s": drain_timeout_s, **settings}})
     info, error, stops = Log(), Log(), []
@@ -166,7 +168,8 @@ def make_runner(restart: bool = True, drain_timeout_s: float = 30, stop_file: Pa
         return True
 
     runner = EngineRunner(config, metrics, info, error, stop_server=stop_server,
-                          stop_file=stop_file or Path("/nonexistent/llmhost-stopping"), server_pid=server_pid)
+                          stop_file=stop_file or Path("/nonexistent/llmhost-stopping"), server_pid=server_pid,
+                          **(runner_kwargs or {}))
     return runner, info, error, stops, metrics
 
 
@@ -342,6 +345,55 @@ def test_without_exit_server_on_engine_death_the_server_is_left_running(fake_vll
     runner.stop(drain_timeout_s=30)
     assert not stops
     assert "exit_server_on_engine_death is false" in error.text()
+
+
+@pytest.mark.parametrize("unload_refused", [False, True])
+def test_with_the_health_check_a_dead_engine_unloads_the_model_instead(fake_vllm: None,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     unload_refused: bool):
+    """ENABLE_VLLM_HEALTH_CHECK: the watchdog asks Triton to unload the model and does
+    not stop the server; where Triton refuses (not explicit model control), the server
+    is stopped as exit_server_on_engine_death says."""
+    from llmhost.backend.health import UNHEALTHY_MESSAGE, SelfUnload
+
+    unloads: list[str] = []
+
+    def unload(name: str) -> None:
+        unloads.append(name)
+        if unload_refused:
+            raise RuntimeError("explicit model load / unload is not allowed if polling is enabled")
+
+    logs = Log()
+    health = SelfUnload("tiny", unload, logs, logs)
+    runner, _, _, stops, _ = make_runner(runner_kwargs={"on_engine_death": health,
+                                                        "death_message": UNHEALTHY_MESSAGE})
+    assert start_in_thread(runner) == [None]
+    engine = FakeEngine.instances[0]
+    sink = submit(runner, monkeypatch)
+    assert engine.generating.wait(BOUND_S)
+    engine.die({"EngineCore_DP0": -signal.SIGKILL})
+    assert sink.done.wait(BOUND_S)
+    assert sink.errors == [UNHEALTHY_MESSAGE]
+    waited = threading.Event()
+    for _ in range(BOUND_S * 10):
+        if unloads and (stops or not unload_refused):
+            break
+        waited.wait(0.1)
+    waited.wait(0.5)  # a stop that should not come would come within this
+    assert unloads == ["tiny"]
+    assert stops == ([1] if unload_refused else [])
+    assert health("again") is (not unload_refused) and unloads == ["tiny"]  # asked once only
+    assert ("--model-control-mode=explicit" in logs.text()) is unload_refused
+    assert runner.engine_dead_message() == UNHEALTHY_MESSAGE
+    runner.stop(drain_timeout_s=30)
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_the_stat_logger_is_given_only_when_metrics_are_on(fake_vllm: None, stats: bool):
+    runner, *_ = make_runner(runner_kwargs={"stats": stats})
+    assert start_in_thread(runner) == [None]
+    assert (FakeEngine.instances[0].stat_loggers is not None) is stats
+    runner.stop(drain_timeout_s=30)
 
 
 # -- one request's end: cancelled, failed -------------------------------------------

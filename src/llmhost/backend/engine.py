@@ -139,8 +139,19 @@ class EngineRunner:
                  log_error: Callable[[str], None] | None = None,
                  stop_server: Callable[[Callable[[str], None]], bool] | None = None,
                  stop_file: Path | None = None, server_pid: int | None = None,
-                 on_drained: Callable[[], None] | None = None) -> None:
+                 on_drained: Callable[[], None] | None = None, stats: bool = True,
+                 on_engine_death: Callable[[str], bool] | None = None,
+                 death_message: str | None = None) -> None:
         self.config = config
+        # False: no stat logger of ours (the model's metrics are off), so vLLM
+        # gathers no statistics unless model.json asks it to log them.
+        self._stats = stats
+        # The clients' error once the engine died, in place of client_message's.
+        self._death_message = death_message
+        # Called once (off the engine loop) with the cause when the engine dies; True
+        # when it handled it (the health check unloaded the model), so the server
+        # is not stopped.
+        self._on_engine_death = on_engine_death
         self.metrics = metrics
         self.log = log
         self.log_error = log_error or log
@@ -234,7 +245,8 @@ class EngineRunner:
             # ENGINE_CONTEXT, has none and falls back to 128 sequences and 2,048
             # batched tokens, where vLLM's server runs 1,024 and 8,192 on an H100.
             self._engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER,
-                                                     stat_loggers=[stat_logger_factory(self.metrics)])
+                                                     stat_loggers=[stat_logger_factory(self.metrics)]
+                                                     if self._stats else None)
             self._tokenizer = self._engine.get_tokenizer()
             self._max_model_len = int(self._engine.model_config.max_model_len)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
@@ -324,7 +336,8 @@ class EngineRunner:
         if self.dead_message is None and self._engine is not None:
             cause = engine_death_cause(self._engine)
             if cause is not None:
-                self.dead_message = client_message(cause, self.config.settings.exit_server_on_engine_death)
+                self.dead_message = self._death_message or client_message(
+                    cause, self.config.settings.exit_server_on_engine_death)
                 self.accepting = False
         return self.dead_message
 
@@ -341,12 +354,13 @@ class EngineRunner:
         restart = self.config.settings.exit_server_on_engine_death
         self.accepting = False
         if self.dead_message is None:
-            self.dead_message = client_message(cause, restart)
+            self.dead_message = self._death_message or client_message(cause, restart)
         with self.active_lock:
             tasks = [a.task for a in self.active.values() if a.task is not None]
         self.log_error(f"vLLM's engine died: {cause}. Failing {len(tasks)} request(s) in flight and every new one"
                        + ("; stopping tritonserver so that its supervisor restarts it" if restart else
-                          " until the server is restarted (exit_server_on_engine_death is false)"))
+                          " until the server is restarted (exit_server_on_engine_death is false)")
+                       + (" unless the health check unloads the model" if self._on_engine_death else ""))
         # Requests that vLLM has not failed yet are cancelled; each answers with
         # the engine-dead error (fail_if_engine_dead in _generate).
         for task in tasks:
@@ -356,10 +370,13 @@ class EngineRunner:
             await asyncio.sleep(0.05)
         if self.active:
             self.log_error(f"{len(self.active)} request(s) did not end after the engine died")
+        loop = asyncio.get_running_loop()
+        if self._on_engine_death is not None and await loop.run_in_executor(None, self._on_engine_death, cause):
+            return  # the model unloads itself (ENABLE_VLLM_HEALTH_CHECK, health.py)
         if restart:
             # The callback may wait for the I/O threads to hand the errors to
             # tritonserver first: off the loop.
-            await asyncio.get_running_loop().run_in_executor(None, self._stop_server, self.log_error)
+            await loop.run_in_executor(None, self._stop_server, self.log_error)
 
     def stop(self, drain_timeout_s: float) -> None:
         """Refuse new work, let in-flight requests finish (within the drain begun
