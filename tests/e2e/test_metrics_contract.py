@@ -122,6 +122,21 @@ def test_a_response_is_counted_by_the_time_it_arrives(server: Server):
     assert d["vllm:generation_tokens_total"] == 10
     assert d["vllm:request_params_n_count"] == 1 and d["vllm:request_params_n_sum"] == 2
 
+    # A stop string: vLLM aborts the request between handing out its last output and
+    # recording that step's statistics; the response still leaves counted.
+    body = {"text_input": PROMPT, "max_tokens": 40, "ignore_eos": True, "temperature": 1.0, "seed": 3,
+            "exclude_input_in_output": True}
+    full = generate(server, **body)["text_output"]
+    # A piece of the output whose first occurrence is well inside it.
+    stop = next(full[k:k + 3] for k in range(5, len(full) - 3) if full.index(full[k:k + 3]) == k)
+    before = snapshot(server, server.name)
+    r = generate(server, stop=stop, return_num_output_tokens=True, return_finish_reason=True, **body)
+    after = snapshot(server, server.name)
+    assert r["_status"] == 200, r
+    assert r["finish_reason"] == "stop" and r["num_output_tokens"] < 40, (stop, r)
+    assert grew(before, after)["vllm:generation_tokens_total"] == r["num_output_tokens"]
+    assert "metrics lag" not in server.log.read_text(errors="replace")
+
 
 def test_report_custom_metrics_and_disable_log_stats_gate_every_series(server: Server):
     """As vllm_backend: no REPORT_CUSTOM_METRICS parameter, or disable_log_stats true

@@ -614,3 +614,51 @@ def test_a_failure_is_described_on_one_bounded_line():
                                                "architectures ['X'] are not supported for now.")
     assert describe_failure(RuntimeError("x" * 5000)) == "RuntimeError: " + "x" * 597 + "..."
     assert describe_failure(KeyboardInterrupt()) == "KeyboardInterrupt"
+
+
+# -- metrics current when a final response leaves ------------------------------------
+
+
+def test_a_final_response_waits_for_the_statistics_of_its_step():
+    """vLLM records a step's statistics after handing out its outputs; when something
+    is awaited in between (an abort on a stop string), the final response waits for
+    them, so the metrics pushed ahead of it count its tokens."""
+    import asyncio
+
+    runner, info, *_ = make_runner()
+    metrics = runner.metrics
+    runner._tokens_seen = 7
+
+    async def scenario() -> tuple[int, int]:
+        async def record_later() -> None:
+            for _ in range(5):
+                await asyncio.sleep(0)
+            metrics.record_iteration(prompt_tokens=3, generation_tokens=7, ttfts=[], itls=[], preempted=0,
+                                     finished=[])
+
+        task = asyncio.ensure_future(record_later())
+        await runner._stats_caught_up()
+        seen_when_released = metrics.generation_recorded
+        await task
+        return seen_when_released, runner._tokens_seen
+
+    assert asyncio.run(scenario()) == (7, 7)
+    assert "metrics lag" not in info.text()
+
+
+def test_statistics_that_never_come_hold_a_response_once_and_briefly():
+    import asyncio
+    import time
+
+    runner, info, *_ = make_runner()
+    runner._tokens_seen = 5  # never recorded
+    t0 = time.monotonic()
+    asyncio.run(runner._stats_caught_up())
+    assert time.monotonic() - t0 < 5  # bounded (STATS_WAIT_S), not a hang
+    assert "metrics lag: vLLM's statistics recorded 0 output token(s) of 5 seen" in info.text()
+    assert runner._tokens_seen == 0  # counted afresh: the next final response does not wait
+    runner._tokens_seen += 2
+    runner.metrics.record_iteration(prompt_tokens=1, generation_tokens=2, ttfts=[], itls=[], preempted=0,
+                                    finished=[])
+    asyncio.run(runner._stats_caught_up())
+    assert info.text().count("metrics lag") == 1

@@ -37,6 +37,9 @@ from llmhost.stopfile import mark_drained, stop_file_from_env, stop_requested
 ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True}
 # After the engine died: how long requests in flight get to end before the server is stopped.
 DEAD_DRAIN_S = 5.0
+# How long a final response may wait for vLLM's statistics of the step that produced
+# it (see _stats_caught_up); a bound, reached only if the counts ever disagree.
+STATS_WAIT_S = 0.2
 # Experiment switch (docs/performance.md, "What is left on the H100"): `uvloop` runs the
 # engine thread's loop on uvloop, as vLLM's own server does; unset or `asyncio`, the
 # standard loop. Read once, when the engine starts.
@@ -152,6 +155,9 @@ class EngineRunner:
         # when it handled it (the health check unloaded the model), so the server
         # is not stopped.
         self._on_engine_death = on_engine_death
+        # Output tokens seen in vLLM's outputs, all requests together (_stats_caught_up).
+        self._tokens_seen = 0
+        self._stats_lag_logged = False
         self.metrics = metrics
         self.log = log
         self.log_error = log_error or log
@@ -467,6 +473,27 @@ class EngineRunner:
                                    ) from None
             raise
 
+    async def _stats_caught_up(self) -> None:
+        """Before a final response leaves: wait until vLLM's statistics cover every
+        output token seen so far, so that the metrics pushed ahead of the response
+        (model.py) count it. vLLM records a step's statistics after handing out its
+        outputs, in the same pass of its output loop, so this is nearly always true
+        at once; a step that stopped on a stop string awaits the abort in between."""
+        if self.metrics.generation_recorded >= self._tokens_seen:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STATS_WAIT_S
+        while self.metrics.generation_recorded < self._tokens_seen:
+            if loop.time() >= deadline:
+                if not self._stats_lag_logged:
+                    self._stats_lag_logged = True
+                    self.log(f"metrics lag: vLLM's statistics recorded {self.metrics.generation_recorded} output "
+                             f"token(s) of {self._tokens_seen} seen; a final response went without waiting longer")
+                # Counted from here on: a difference that stays costs no later response a wait.
+                self._tokens_seen = self.metrics.generation_recorded
+                return
+            await asyncio.sleep(0.001)
+
     async def _generate(self, active: Active, job: GenerateJob, sink: Sink) -> None:
         metrics = self.metrics
         counts: list[int] = []  # output tokens of each completion, as sent to the sink
@@ -484,8 +511,11 @@ class EngineRunner:
                 for co in out.outputs:
                     texts[co.index] = co.text if job.stream else texts[co.index] + co.text
                     counts[co.index] += len(co.token_ids)
+                    self._tokens_seen += len(co.token_ids)
                     if co.finish_reason is not None:
                         reasons[co.index] = str(co.finish_reason)
+                if out.finished and self._stats:
+                    await self._stats_caught_up()
                 if job.stream or out.finished:
                     if out.finished and not job.exclude_input and not job.stream and job.prompt is not None:
                         texts = [job.prompt + t for t in texts]

@@ -106,6 +106,9 @@ class ServingMetrics:
         self._sent_counters: dict[tuple[str, str | None], float] = {}
         self._sent_gauges: dict[str, float] = {}
         self._sent_hists: dict[str, tuple[list[int], float]] = {}
+        # Generation tokens vLLM's statistics have recorded so far (engine.py waits
+        # for them to cover the tokens it has seen before a final response leaves).
+        self.generation_recorded = 0
 
     # -- recording (any thread) --------------------------------------------
     def inc(self, name: str, value: float = 1.0, label: str | None = None) -> None:
@@ -148,6 +151,7 @@ class ServingMetrics:
             c[("vllm:prompt_tokens_total", None)] = c.get(("vllm:prompt_tokens_total", None), 0.0) + prompt_tokens
             key = ("vllm:generation_tokens_total", None)
             c[key] = c.get(key, 0.0) + generation_tokens
+            self.generation_recorded += generation_tokens
             if preempted:
                 key = ("vllm:num_preemptions_total", None)
                 c[key] = c.get(key, 0.0) + preempted
