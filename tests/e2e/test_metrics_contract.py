@@ -163,3 +163,21 @@ def test_report_custom_metrics_and_disable_log_stats_gate_every_series(server: S
     finally:
         for name in models:
             repo.unload(server, name)
+
+
+def test_a_server_with_metrics_off_still_loads_and_serves(tiny_model: Path, tmp_path: Path):
+    """tritonserver --allow-metrics=false: the model loads and answers (vllm_backend
+    goes on without metrics too); nothing listens on the metrics port. (Triton 2.51
+    takes the metric calls and drops them; a Triton that refuses them gets the
+    backend's "metrics off" path.)"""
+    srv = start_server(tiny_model, tmp_path / "serve", extra=["--triton-arg=--allow-metrics=false"])
+    try:
+        r = generate(srv, text_input=PROMPT, max_tokens=4)
+        assert r["_status"] == 200, r
+        assert "pushing metrics failed" not in srv.log.read_text(errors="replace")
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"{srv.metrics}/metrics", timeout=10)
+    finally:
+        kids = srv.descendants()
+        srv.stop()
+        assert not wait_gone(kids), "processes left after SIGTERM"
