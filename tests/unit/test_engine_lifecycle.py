@@ -79,6 +79,7 @@ class FakeEngine:
     def from_engine_args(cls, args: Any, usage_context: Any = None, stat_loggers: Any = None) -> FakeEngine:
         engine = cls()
         engine.usage_context = usage_context
+        engine.stat_loggers = stat_loggers
         engine.start_method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
         return engine
 
@@ -156,7 +157,8 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def make_runner(restart: bool = True, drain_timeout_s: float = 30, stop_file: Path | None = None,
-                server_pid: int = 4242, **settings: Any) -> tuple[EngineRunner, Log, Log, list[int], ServingMetrics]:
+                server_pid: int = 4242, runner_kwargs: dict[str, Any] | None = None,
+                **settings: Any) -> tuple[EngineRunner, Log, Log, list[int], ServingMetrics]:
     config = parse_model_config({"model": "/nowhere", "llmhost": {"exit_server_on_engine_death": restart,
                                                                   "drain_timeout_s": drain_timeout_s, **settings}})
     info, error, stops = Log(), Log(), []
@@ -167,7 +169,8 @@ def make_runner(restart: bool = True, drain_timeout_s: float = 30, stop_file: Pa
         return True
 
     runner = EngineRunner(config, metrics, info, error, stop_server=stop_server,
-                          stop_file=stop_file or Path("/nonexistent/llmhost-stopping"), server_pid=server_pid)
+                          stop_file=stop_file or Path("/nonexistent/llmhost-stopping"), server_pid=server_pid,
+                          **(runner_kwargs or {}))
     return runner, info, error, stops, metrics
 
 
@@ -343,6 +346,55 @@ def test_without_exit_server_on_engine_death_the_server_is_left_running(fake_vll
     runner.stop(drain_timeout_s=30)
     assert not stops
     assert "exit_server_on_engine_death is false" in error.text()
+
+
+@pytest.mark.parametrize("unload_refused", [False, True])
+def test_with_the_health_check_a_dead_engine_unloads_the_model_instead(fake_vllm: None,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     unload_refused: bool):
+    """ENABLE_VLLM_HEALTH_CHECK: the watchdog asks Triton to unload the model and does
+    not stop the server; where Triton refuses (not explicit model control), the server
+    is stopped as exit_server_on_engine_death says."""
+    from llmhost.backend.health import UNHEALTHY_MESSAGE, SelfUnload
+
+    unloads: list[str] = []
+
+    def unload(name: str) -> None:
+        unloads.append(name)
+        if unload_refused:
+            raise RuntimeError("explicit model load / unload is not allowed if polling is enabled")
+
+    logs = Log()
+    health = SelfUnload("tiny", unload, logs, logs)
+    runner, _, _, stops, _ = make_runner(runner_kwargs={"on_engine_death": health,
+                                                        "death_message": UNHEALTHY_MESSAGE})
+    assert start_in_thread(runner) == [None]
+    engine = FakeEngine.instances[0]
+    sink = submit(runner, monkeypatch)
+    assert engine.generating.wait(BOUND_S)
+    engine.die({"EngineCore_DP0": -signal.SIGKILL})
+    assert sink.done.wait(BOUND_S)
+    assert sink.errors == [UNHEALTHY_MESSAGE]
+    waited = threading.Event()
+    for _ in range(BOUND_S * 10):
+        if unloads and (stops or not unload_refused):
+            break
+        waited.wait(0.1)
+    waited.wait(0.5)  # a stop that should not come would come within this
+    assert unloads == ["tiny"]
+    assert stops == ([1] if unload_refused else [])
+    assert health("again") is (not unload_refused) and unloads == ["tiny"]  # asked once only
+    assert ("--model-control-mode=explicit" in logs.text()) is unload_refused
+    assert runner.engine_dead_message() == UNHEALTHY_MESSAGE
+    runner.stop(drain_timeout_s=30)
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_the_stat_logger_is_given_only_when_metrics_are_on(fake_vllm: None, stats: bool):
+    runner, *_ = make_runner(runner_kwargs={"stats": stats})
+    assert start_in_thread(runner) == [None]
+    assert (FakeEngine.instances[0].stat_loggers is not None) is stats
+    runner.stop(drain_timeout_s=30)
 
 
 # -- one request's end: cancelled, failed -------------------------------------------
@@ -563,3 +615,51 @@ def test_a_failure_is_described_on_one_bounded_line():
                                                "architectures ['X'] are not supported for now.")
     assert describe_failure(RuntimeError("x" * 5000)) == "RuntimeError: " + "x" * 597 + "..."
     assert describe_failure(KeyboardInterrupt()) == "KeyboardInterrupt"
+
+
+# -- metrics current when a final response leaves ------------------------------------
+
+
+def test_a_final_response_waits_for_the_statistics_of_its_step():
+    """vLLM records a step's statistics after handing out its outputs; when something
+    is awaited in between (an abort on a stop string), the final response waits for
+    them, so the metrics pushed ahead of it count its tokens."""
+    import asyncio
+
+    runner, info, *_ = make_runner()
+    metrics = runner.metrics
+    runner._tokens_seen = 7
+
+    async def scenario() -> tuple[int, int]:
+        async def record_later() -> None:
+            for _ in range(5):
+                await asyncio.sleep(0)
+            metrics.record_iteration(prompt_tokens=3, generation_tokens=7, ttfts=[], itls=[], preempted=0,
+                                     finished=[])
+
+        task = asyncio.ensure_future(record_later())
+        await runner._stats_caught_up()
+        seen_when_released = metrics.generation_recorded
+        await task
+        return seen_when_released, runner._tokens_seen
+
+    assert asyncio.run(scenario()) == (7, 7)
+    assert "metrics lag" not in info.text()
+
+
+def test_statistics_that_never_come_hold_a_response_once_and_briefly():
+    import asyncio
+    import time
+
+    runner, info, *_ = make_runner()
+    runner._tokens_seen = 5  # never recorded
+    t0 = time.monotonic()
+    asyncio.run(runner._stats_caught_up())
+    assert time.monotonic() - t0 < 5  # bounded (STATS_WAIT_S), not a hang
+    assert "metrics lag: vLLM's statistics recorded 0 output token(s) of 5 seen" in info.text()
+    assert runner._tokens_seen == 0  # counted afresh: the next final response does not wait
+    runner._tokens_seen += 2
+    runner.metrics.record_iteration(prompt_tokens=1, generation_tokens=2, ttfts=[], itls=[], preempted=0,
+                                    finished=[])
+    asyncio.run(runner._stats_caught_up())
+    assert info.text().count("metrics lag") == 1

@@ -162,7 +162,9 @@ def test_sigterm_leaves_no_process_no_shm_segment_and_frees_the_gpu(kind):
 def test_kind_model_entry_has_the_keys_the_roles_render_with():
     text = (ROOT / "roles" / "model_repository" / "vars" / "main.yml").read_text()
     context = yaml.safe_load(text)["_model_repository_context"]
-    keys = set(re.findall(r"'(\w+)':", context)) - {"gpus", "dtype"}  # only when the inventory sets them
+    # Only when the inventory sets them:
+    keys = set(re.findall(r"'(\w+)':", context)) - {"gpus", "dtype", "report_custom_metrics",
+                                                          "enable_vllm_health_check"}
     entry = gpu_check.roles_model_entry(Path("/srv/m"))
     assert set(entry) == keys
     # The roles take the kind from llmhost.placement (filter llmhost_placement).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from llmhost.backend.metrics import SPECS, ServingMetrics, TritonExporter, series_names
+from llmhost.backend.metrics import SPEC_BY_NAME, SPECS, ServingMetrics, TritonExporter, series_names
 
 
 def finished(**kw: Any) -> dict[str, Any]:
@@ -97,3 +97,28 @@ def test_exporter_families_match_readme_list_and_apply_deltas():
 def test_every_spec_has_help_and_prefix():
     for spec in SPECS:
         assert spec.name.startswith("vllm:") and spec.help
+
+
+def test_vllm_backend_names_are_exported_with_its_buckets():
+    """NVIDIA vllm_backend's series beside ours: time per output token (the same
+    observations as our inter-token latency) and the n parameter, with its bucket
+    boundaries; our e2e buckets hold all of its."""
+    from llmhost.backend.metrics import N_BUCKETS, TPOT_BUCKETS
+
+    assert SPEC_BY_NAME["vllm:time_per_output_token_seconds"].buckets == TPOT_BUCKETS
+    assert TPOT_BUCKETS == (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+    assert SPEC_BY_NAME["vllm:request_params_n"].buckets == N_BUCKETS == (1, 2, 5, 10, 20)
+    assert {1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0} <= set(
+        SPEC_BY_NAME["vllm:e2e_request_latency_seconds"].buckets)
+    assert {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0} <= set(
+        SPEC_BY_NAME["vllm:time_to_first_token_seconds"].buckets)
+    m = ServingMetrics()
+    m.record_iteration(prompt_tokens=3, generation_tokens=2, ttfts=[], itls=[0.02, 0.03], preempted=0,
+                       finished=[], n_params=[2, 1])
+    got = {(s, lbl): a for _, s, lbl, a in m.deltas()}
+    assert got[("vllm:time_per_output_token_seconds_count", None)] == 2
+    assert got[("vllm:inter_token_latency_seconds_count", None)] == 2
+    assert got[("vllm:request_params_n_count", None)] == 2
+    assert got[("vllm:request_params_n_sum", None)] == 3
+    assert got[("vllm:request_params_n_bucket", "1.0")] == 1
+    assert got[("vllm:request_params_n_bucket", "2.0")] == 2  # buckets are cumulative

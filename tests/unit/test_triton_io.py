@@ -76,11 +76,12 @@ def chunk(text: str, count: int, final: bool = False) -> Chunk:
     return Chunk([text], ["length" if final else ""], 3, [count], final)
 
 
-def make_io(window_s: float) -> Any:
-    from llmhost.backend.model import _TritonIO
+def make_io(window_s: float, metrics: ServingMetrics | None = None, exporter: Any = None) -> Any:
+    from llmhost.backend.model import _MetricsPush, _TritonIO
 
-    return _TritonIO(runner=None, metrics=ServingMetrics(), interval_s=0.25,  # type: ignore[arg-type]
-                     metrics_s=1.0, window_s=window_s, exporter=None, name="test-io")
+    push = _MetricsPush(metrics or ServingMetrics(), exporter)
+    return _TritonIO(runner=None, push=push, interval_s=0.25,  # type: ignore[arg-type]
+                     metrics_s=60.0, window_s=window_s, periodic=True, name="test-io")
 
 
 def stream(io: Any) -> tuple[Any, Sender]:
@@ -188,10 +189,11 @@ def test_an_idle_thread_without_the_exporter_sleeps(fake_pb: None) -> None:
     """Every I/O thread but the first has no metrics exporter; idle, it must wait
     for its next cancellation poll, not spin (it once did: response_threads > 1
     burnt a core while the server was idle)."""
-    from llmhost.backend.model import _TritonIO
+    from llmhost.backend.model import _MetricsPush, _TritonIO
 
-    io = _TritonIO(runner=None, metrics=ServingMetrics(), interval_s=0.05,  # type: ignore[arg-type]
-                   metrics_s=0.01, window_s=0.05, exporter=None, name="test-io-idle")
+    push = _MetricsPush(ServingMetrics(), exporter=object())  # type: ignore[arg-type]
+    io = _TritonIO(runner=None, push=push, interval_s=0.05,  # type: ignore[arg-type]
+                   metrics_s=0.01, window_s=0.05, periodic=False, name="test-io-idle")
     passes = 0
     real = io._send_queued
 
@@ -298,3 +300,55 @@ def test_a_response_carries_the_outputs_asked_for_with_vllm_backends_types(fake_
     only = _TritonIO._response(pb, _TritonSink(io, Sender(), frozenset({"return_logprobs"})), c)
     assert [t.name for t in only.tensors] == ["text_output", "logprobs"]
     stop(io)
+
+
+class _Exporter:
+    """Records what reached Triton's metrics: the deltas applied, in order."""
+
+    def __init__(self) -> None:
+        self.applied: list[tuple[str, str, str | None, float]] = []
+
+    def apply(self, deltas: list[tuple[str, str, str | None, float]]) -> None:
+        self.applied += deltas
+
+    def total(self, series: str) -> float:
+        return sum(a for k, s, _, a in self.applied if s == series and k == "inc")
+
+
+class _SnapshotSender(Sender):
+    """Notes, as each response is sent, how many generation tokens Triton had been told."""
+
+    def __init__(self, exporter: _Exporter) -> None:
+        super().__init__()
+        self.exporter = exporter
+        self.tokens_seen: list[float] = []
+
+    def send(self, response: _Response, flags: int = 0) -> None:
+        self.tokens_seen.append(self.exporter.total("vllm:generation_tokens_total"))
+        super().send(response, flags)
+
+
+@pytest.mark.parametrize("ends_with_error", [False, True])
+def test_metrics_reach_triton_before_the_final_response(fake_pb: None, ends_with_error: bool) -> None:
+    """A client that reads /metrics right after its final response (or error) finds
+    its tokens counted: the push happens before the send, not at the next interval
+    (60 s here)."""
+    from llmhost.backend.model import _TritonSink
+
+    metrics, exporter = ServingMetrics(), _Exporter()
+    io = make_io(window_s=0.0, metrics=metrics, exporter=exporter)
+    sender = _SnapshotSender(exporter)
+    sink = _TritonSink(io, sender, frozenset())
+    sink.send(chunk("a", 1))
+    assert sender.wait_for("a")
+    metrics.record_iteration(prompt_tokens=5, generation_tokens=7, ttfts=[0.1], itls=[0.01], preempted=0,
+                             finished=[], n_params=[2])
+    if ends_with_error:
+        sink.fail("boom")
+        assert sender.wait_for("aboom")
+    else:
+        sink.send(chunk("b", 2, final=True))
+        assert sender.wait_for("ab")
+    stop(io)
+    assert sender.tokens_seen[-1] == 7
+    assert exporter.total("vllm:request_params_n_count") == 1

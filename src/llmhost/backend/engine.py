@@ -39,6 +39,9 @@ from llmhost.stopfile import mark_drained, stop_file_from_env, stop_requested
 ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True}
 # After the engine died: how long requests in flight get to end before the server is stopped.
 DEAD_DRAIN_S = 5.0
+# How long a final response may wait for vLLM's statistics of the step that produced
+# it (see _stats_caught_up); a bound, reached only if the counts ever disagree.
+STATS_WAIT_S = 0.2
 # Experiment switch (docs/performance.md, "What is left on the H100"): `uvloop` runs the
 # engine thread's loop on uvloop, as vLLM's own server does; unset or `asyncio`, the
 # standard loop. Read once, when the engine starts.
@@ -150,8 +153,22 @@ class EngineRunner:
                  log_error: Callable[[str], None] | None = None,
                  stop_server: Callable[[Callable[[str], None]], bool] | None = None,
                  stop_file: Path | None = None, server_pid: int | None = None,
-                 on_drained: Callable[[], None] | None = None) -> None:
+                 on_drained: Callable[[], None] | None = None, stats: bool = True,
+                 on_engine_death: Callable[[str], bool] | None = None,
+                 death_message: str | None = None) -> None:
         self.config = config
+        # False: no stat logger of ours (the model's metrics are off), so vLLM
+        # gathers no statistics unless model.json asks it to log them.
+        self._stats = stats
+        # The clients' error once the engine died, in place of client_message's.
+        self._death_message = death_message
+        # Called once (off the engine loop) with the cause when the engine dies; True
+        # when it handled it (the health check unloaded the model), so the server
+        # is not stopped.
+        self._on_engine_death = on_engine_death
+        # Output tokens seen in vLLM's outputs, all requests together (_stats_caught_up).
+        self._tokens_seen = 0
+        self._stats_lag_logged = False
         self.metrics = metrics
         self.log = log
         self.log_error = log_error or log
@@ -245,7 +262,8 @@ class EngineRunner:
             # ENGINE_CONTEXT, has none and falls back to 128 sequences and 2,048
             # batched tokens, where vLLM's server runs 1,024 and 8,192 on an H100.
             self._engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER,
-                                                     stat_loggers=[stat_logger_factory(self.metrics)])
+                                                     stat_loggers=[stat_logger_factory(self.metrics)]
+                                                     if self._stats else None)
             self._tokenizer = self._engine.get_tokenizer()
             self._max_model_len = int(self._engine.model_config.max_model_len)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
@@ -335,7 +353,8 @@ class EngineRunner:
         if self.dead_message is None and self._engine is not None:
             cause = engine_death_cause(self._engine)
             if cause is not None:
-                self.dead_message = client_message(cause, self.config.settings.exit_server_on_engine_death)
+                self.dead_message = self._death_message or client_message(
+                    cause, self.config.settings.exit_server_on_engine_death)
                 self.accepting = False
         return self.dead_message
 
@@ -352,12 +371,13 @@ class EngineRunner:
         restart = self.config.settings.exit_server_on_engine_death
         self.accepting = False
         if self.dead_message is None:
-            self.dead_message = client_message(cause, restart)
+            self.dead_message = self._death_message or client_message(cause, restart)
         with self.active_lock:
             tasks = [a.task for a in self.active.values() if a.task is not None]
         self.log_error(f"vLLM's engine died: {cause}. Failing {len(tasks)} request(s) in flight and every new one"
                        + ("; stopping tritonserver so that its supervisor restarts it" if restart else
-                          " until the server is restarted (exit_server_on_engine_death is false)"))
+                          " until the server is restarted (exit_server_on_engine_death is false)")
+                       + (" unless the health check unloads the model" if self._on_engine_death else ""))
         # Requests that vLLM has not failed yet are cancelled; each answers with
         # the engine-dead error (fail_if_engine_dead in _generate).
         for task in tasks:
@@ -367,10 +387,13 @@ class EngineRunner:
             await asyncio.sleep(0.05)
         if self.active:
             self.log_error(f"{len(self.active)} request(s) did not end after the engine died")
+        loop = asyncio.get_running_loop()
+        if self._on_engine_death is not None and await loop.run_in_executor(None, self._on_engine_death, cause):
+            return  # the model unloads itself (ENABLE_VLLM_HEALTH_CHECK, health.py)
         if restart:
             # The callback may wait for the I/O threads to hand the errors to
             # tritonserver first: off the loop.
-            await asyncio.get_running_loop().run_in_executor(None, self._stop_server, self.log_error)
+            await loop.run_in_executor(None, self._stop_server, self.log_error)
 
     def stop(self, drain_timeout_s: float) -> None:
         """Refuse new work, let in-flight requests finish (within the drain begun
@@ -470,6 +493,27 @@ class EngineRunner:
         """Texts, token counts and log probabilities of N completions for one response."""
         return [""] * n, [0] * n, [[] if want_logprobs else None for _ in range(n)]
 
+    async def _stats_caught_up(self) -> None:
+        """Before a final response leaves: wait until vLLM's statistics cover every
+        output token seen so far, so that the metrics pushed ahead of the response
+        (model.py) count it. vLLM records a step's statistics after handing out its
+        outputs, in the same pass of its output loop, so this is nearly always true
+        at once; a step that stopped on a stop string awaits the abort in between."""
+        if self.metrics.generation_recorded >= self._tokens_seen:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STATS_WAIT_S
+        while self.metrics.generation_recorded < self._tokens_seen:
+            if loop.time() >= deadline:
+                if not self._stats_lag_logged:
+                    self._stats_lag_logged = True
+                    self.log(f"metrics lag: vLLM's statistics recorded {self.metrics.generation_recorded} output "
+                             f"token(s) of {self._tokens_seen} seen; a final response went without waiting longer")
+                # Counted from here on: a difference that stays costs no later response a wait.
+                self._tokens_seen = self.metrics.generation_recorded
+                return
+            await asyncio.sleep(0.001)
+
     async def _generate(self, active: Active, job: GenerateJob, sink: Sink) -> None:
         metrics = self.metrics
         counts: list[int] = []  # output tokens of each completion, as sent to the sink
@@ -494,6 +538,7 @@ class EngineRunner:
                     i = co.index
                     texts[i] += co.text
                     step[i] += len(co.token_ids)
+                    self._tokens_seen += len(co.token_ids)
                     if co.finish_reason is not None:
                         reasons[i] = str(co.finish_reason)
                     if co.cumulative_logprob is not None:
@@ -501,6 +546,8 @@ class EngineRunner:
                     top = tops[i]
                     if top is not None:
                         top.extend(positions(co.logprobs))
+                if out.finished and self._stats:
+                    await self._stats_caught_up()
                 if not (job.stream or out.finished):
                     continue
                 counts = [a + b for a, b in zip(counts, step, strict=True)]

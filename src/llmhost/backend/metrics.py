@@ -22,7 +22,12 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+# vllm:e2e_request_latency_seconds: ours and NVIDIA vllm_backend's boundaries together.
+E2E_BUCKETS = tuple(sorted(set(LATENCY_BUCKETS) | {15.0, 30.0, 50.0, 60.0}))
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# The two series vllm_backend exports that vLLM's own server named otherwise, with its boundaries.
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 FAILURE_REASONS = ("invalid_request", "engine_error", "shutting_down", "engine_dead")
 
@@ -52,14 +57,17 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage, 0 to 1."),
     MetricSpec("vllm:time_to_first_token_seconds", "histogram", "Time to first token.", LATENCY_BUCKETS),
     MetricSpec("vllm:inter_token_latency_seconds", "histogram", "Time between output tokens.", ITL_BUCKETS),
+    MetricSpec("vllm:time_per_output_token_seconds", "histogram",
+               "Time per output token (vllm_backend's name for the inter-token latency).", TPOT_BUCKETS),
     MetricSpec("vllm:e2e_request_latency_seconds", "histogram", "End-to-end request latency in the engine.",
-               LATENCY_BUCKETS),
+               E2E_BUCKETS),
     MetricSpec("vllm:request_queue_time_seconds", "histogram", "Time requests spent waiting.", LATENCY_BUCKETS),
     MetricSpec("vllm:request_prefill_time_seconds", "histogram", "Time spent in prefill.", LATENCY_BUCKETS),
     MetricSpec("vllm:request_decode_time_seconds", "histogram", "Time spent in decode.", LATENCY_BUCKETS),
     MetricSpec("vllm:request_prompt_tokens", "histogram", "Prompt length of finished requests.", TOKEN_BUCKETS),
     MetricSpec("vllm:request_generation_tokens", "histogram", "Output length of finished requests.",
                TOKEN_BUCKETS),
+    MetricSpec("vllm:request_params_n", "histogram", "The n sampling parameter of requests.", N_BUCKETS),
 )
 SPEC_BY_NAME = {s.name: s for s in SPECS}
 
@@ -98,6 +106,9 @@ class ServingMetrics:
         self._sent_counters: dict[tuple[str, str | None], float] = {}
         self._sent_gauges: dict[str, float] = {}
         self._sent_hists: dict[str, tuple[list[int], float]] = {}
+        # Generation tokens vLLM's statistics have recorded so far (engine.py waits
+        # for them to cover the tokens it has seen before a final response leaves).
+        self.generation_recorded = 0
 
     # -- recording (any thread) --------------------------------------------
     def inc(self, name: str, value: float = 1.0, label: str | None = None) -> None:
@@ -129,15 +140,18 @@ class ServingMetrics:
         itls: Iterable[float],
         preempted: int,
         finished: Iterable[dict[str, Any]],
+        n_params: Iterable[int] = (),
     ) -> None:
         """One engine step's statistics; ``finished`` items carry finish_reason,
         e2e_latency, queued_time, prefill_time, decode_time, num_prompt_tokens,
-        num_generation_tokens."""
+        num_generation_tokens; ``n_params`` is the ``n`` of each request that
+        started this step."""
         with self._lock:
             c = self._counters
             c[("vllm:prompt_tokens_total", None)] = c.get(("vllm:prompt_tokens_total", None), 0.0) + prompt_tokens
             key = ("vllm:generation_tokens_total", None)
             c[key] = c.get(key, 0.0) + generation_tokens
+            self.generation_recorded += generation_tokens
             if preempted:
                 key = ("vllm:num_preemptions_total", None)
                 c[key] = c.get(key, 0.0) + preempted
@@ -146,6 +160,9 @@ class ServingMetrics:
                 h["vllm:time_to_first_token_seconds"].observe(v)
             for v in itls:
                 h["vllm:inter_token_latency_seconds"].observe(v)
+                h["vllm:time_per_output_token_seconds"].observe(v)
+            for v in n_params:
+                h["vllm:request_params_n"].observe(v)
             for f in finished:
                 reason = f["finish_reason"] if f["finish_reason"] in FINISH_REASONS else "error"
                 key = ("vllm:request_success_total", reason)

@@ -38,6 +38,7 @@ from llmhost.backend.coalesce import StreamWindow, coalesce
 from llmhost.backend.config import ConfigError, ModelConfig, load_model_config, locate_model_json
 from llmhost.backend.engine import Active, Chunk, EngineRunner, EngineStartError
 from llmhost.backend.errors import RequestError, safe_message
+from llmhost.backend.health import UNHEALTHY_MESSAGE, SelfUnload
 from llmhost.backend.lora import find_adapter, with_adapters
 from llmhost.backend.metrics import ServingMetrics, TritonExporter
 from llmhost.backend.outputs import finish_reasons, logprobs_json
@@ -50,6 +51,7 @@ from llmhost.backend.request import (
     client_label,
     parse_request,
 )
+from llmhost.backend.triton_params import ENABLE_VLLM_HEALTH_CHECK, bool_param, metrics_enabled
 
 INPUTS: list[dict[str, Any]] = [
     {"name": TEXT_INPUT, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
@@ -94,6 +96,27 @@ def _freeze_startup_heap() -> None:
     gc.freeze()
 
 
+class _MetricsPush:
+    """Hands the aggregated metrics' changes to Triton: every ``metrics_interval_s``
+    (the first I/O thread), and before a request's final response or error is sent
+    (any I/O thread), so that a client reading /metrics right after its response
+    finds its request counted. A lock keeps two threads from pushing at once."""
+
+    def __init__(self, metrics: ServingMetrics, exporter: TritonExporter | None) -> None:
+        self.metrics = metrics
+        self.exporter = exporter
+        self._lock = threading.Lock()
+
+    def flush(self, pb: Any) -> None:
+        if self.exporter is None:
+            return
+        with self._lock:
+            try:
+                self.exporter.apply(self.metrics.deltas())
+            except Exception as exc:  # noqa: BLE001
+                pb.Logger.log_warn(f"[llmhost] pushing metrics failed: {exc}")
+
+
 class _TritonSink:
     """Sends one request's results; every call only enqueues work for its I/O thread."""
 
@@ -128,19 +151,19 @@ class _TritonSink:
 class _TritonIO:
     """One thread that talks to tritonserver after execute() returns, for its share of the streams."""
 
-    def __init__(self, runner: EngineRunner, metrics: ServingMetrics, interval_s: float, metrics_s: float,
-                 window_s: float, exporter: TritonExporter | None, name: str) -> None:
+    def __init__(self, runner: EngineRunner, push: _MetricsPush, interval_s: float, metrics_s: float,
+                 window_s: float, periodic: bool, name: str) -> None:
         # Work from other threads: a deque (append and popleft are atomic) and an
         # event that only urgent items set, so a busy engine step does not wake
         # this thread once per stream.
         self.items: collections.deque[tuple[str, Any, Any] | None] = collections.deque()
         self.wake = threading.Event()
         self.runner = runner
-        self.metrics = metrics
+        self.push = push
         self.interval = interval_s
         self.metrics_s = metrics_s
         self.window = StreamWindow(window_s)
-        self.exporter = exporter
+        self.periodic = periodic and push.exporter is not None  # this thread pushes every metrics_s
         self.sinks: dict[str, _TritonSink] = {}
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -181,7 +204,7 @@ class _TritonIO:
         running = True
         while running:
             timeout = self.interval - (now - last_poll)
-            if self.exporter is not None:
+            if self.periodic:
                 # Only the thread that pushes metrics waits for their interval: on
                 # the others last_flush never moves, and the timeout would stay
                 # negative, a busy loop burning a core while idle.
@@ -208,14 +231,14 @@ class _TritonIO:
                 for s in list(self.sinks.values()):
                     self._maybe_check(s, now)
                 last_poll = now
-            if self.exporter is not None and now - last_flush >= self.metrics_s:
-                self._flush(pb)
+            if self.periodic and now - last_flush >= self.metrics_s:
+                self.push.flush(pb)
                 last_flush = now
         self._send_queued(pb, final)
         for item in self.window.flush():
             self._handle(pb, final, item)
-        if self.exporter is not None:
-            self._flush(pb)
+        if self.periodic:
+            self.push.flush(pb)
 
     def _tick(self, pb: Any, final: int, now: float) -> None:
         """Send every held delta that is due by NOW. With many streams that is many
@@ -239,12 +262,15 @@ class _TritonIO:
         kind, sink, payload = item
         try:
             if kind == "chunk":
+                if payload.final:
+                    self.push.flush(pb)  # the request's tokens are on /metrics before its client has its answer
                 sink.sender.send(self._response(pb, sink, payload), flags=final if payload.final else 0)
                 if payload.final:
                     self._forget(sink)
                 else:
                     self._maybe_check(sink, time.monotonic())
             elif kind == "error":
+                self.push.flush(pb)
                 sink.sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(payload)),
                                  flags=final)
                 self._forget(sink)
@@ -255,13 +281,6 @@ class _TritonIO:
         except Exception as exc:  # noqa: BLE001 - a dead client must not stop the thread
             pb.Logger.log_warn(f"[llmhost] sending a response failed: {exc}")
             self._forget(sink)
-
-    def _flush(self, pb: Any) -> None:
-        try:
-            assert self.exporter is not None
-            self.exporter.apply(self.metrics.deltas())
-        except Exception as exc:  # noqa: BLE001
-            pb.Logger.log_warn(f"[llmhost] pushing metrics failed: {exc}")
 
     def _forget(self, sink: _TritonSink | None) -> None:
         if sink is not None:
@@ -308,9 +327,10 @@ class _TritonIOPool:
 
     def __init__(self, runner: EngineRunner, metrics: ServingMetrics, settings: Any,
                  exporter: TritonExporter | None) -> None:
+        self.push = _MetricsPush(metrics, exporter)
         self.shards = [
-            _TritonIO(runner, metrics, settings.cancel_check_interval_s, settings.metrics_interval_s,
-                      settings.stream_interval_ms / 1000.0, exporter if i == 0 else None, f"llmhost-triton-io-{i}")
+            _TritonIO(runner, self.push, settings.cancel_check_interval_s, settings.metrics_interval_s,
+                      settings.stream_interval_ms / 1000.0, i == 0, f"llmhost-triton-io-{i}")
             for i in range(settings.response_threads)
         ]
         self.exporter = exporter
@@ -368,9 +388,18 @@ class TritonPythonModel:
         self.config = self._load_config(pb, args)
         self._apply_placement(args)
         self.metrics = ServingMetrics()
+        # config.pbtxt's parameters, as NVIDIA's vllm_backend reads them (triton_params.py).
+        report_metrics = metrics_enabled(model_config, self.config.engine_args)
+        self.health: SelfUnload | None = None
+        if bool_param(model_config, ENABLE_VLLM_HEALTH_CHECK):
+            self.health = SelfUnload(args["model_name"], pb.unload_model,
+                                     lambda m: pb.Logger.log_info(f"[llmhost] {m}"),
+                                     lambda m: pb.Logger.log_error(f"[llmhost] {m}"))
         self.runner = EngineRunner(self.config, self.metrics, lambda m: pb.Logger.log_info(f"[llmhost] {m}"),
                                    lambda m: pb.Logger.log_error(f"[llmhost] {m}"),
-                                   stop_server=self._stop_server_when_sent, on_drained=self._drained_when_sent)
+                                   stop_server=self._stop_server_when_sent, on_drained=self._drained_when_sent,
+                                   stats=report_metrics, on_engine_death=self.health,
+                                   death_message=UNHEALTHY_MESSAGE if self.health else None)
         try:
             self.runner.start()  # bounded: whatever fails before the engine is up ends here
         except EngineStartError as exc:
@@ -378,14 +407,28 @@ class TritonPythonModel:
             raise pb.TritonModelException(str(exc)) from None
         # Metric families are made only after the engine is up and dropped in
         # finalize(): made earlier they crash the stub at exit.
-        exporter = TritonExporter(pb, args["model_name"], args.get("model_version", "1"))
+        exporter = self._exporter(pb, args) if report_metrics else None
         self.io = _TritonIOPool(self.runner, self.metrics, self.config.settings, exporter)
         _freeze_startup_heap()
         pb.Logger.log_info(f"[llmhost] model {args['model_name']} ready "
                            f"(max_model_len {self.runner._max_model_len}, "
                            f"default max_tokens {self.config.settings.default_max_tokens}, "
                            f"{self.config.settings.response_threads} response threads, "
-                           f"stream interval {self.config.settings.stream_interval_ms:g} ms)")
+                           f"stream interval {self.config.settings.stream_interval_ms:g} ms, "
+                           f"metrics {'on' if exporter is not None else 'off'}, "
+                           f"health check {'on' if self.health else 'off'})")
+
+    @staticmethod
+    def _exporter(pb: Any, args: dict[str, Any]) -> TritonExporter | None:
+        """The metric families on Triton's /metrics; None where the server has metrics
+        off (``--allow-metrics=false``), as vllm_backend then goes on without them."""
+        try:
+            return TritonExporter(pb, args["model_name"], args.get("model_version", "1"))
+        except pb.TritonModelException as exc:
+            if "metrics not supported" not in str(exc):
+                raise
+            pb.Logger.log_info("[llmhost] the server has metrics off: this model reports none")
+            return None
 
     @staticmethod
     def _load_config(pb: Any, args: dict[str, Any]) -> ModelConfig:
@@ -447,13 +490,20 @@ class TritonPythonModel:
         pb = _pb()
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         settings = self.config.settings
+        # ENABLE_VLLM_HEALTH_CHECK: the engine's state is read before each batch, as
+        # vllm_backend does; a dead engine unloads the model (health.py).
+        unhealthy = self.health is not None and self.runner.engine_dead_message() is not None
+        if unhealthy:
+            threading.Thread(target=self.health, args=("found dead before a request",),  # type: ignore[arg-type]
+                             name="llmhost-health-unload", daemon=True).start()
         for request in requests:
             sender = request.get_response_sender()
             if not self.runner.accepting:
                 dead = self.runner.engine_dead_message()
                 self.metrics.inc("vllm:request_failed_total", label="engine_dead" if dead else "shutting_down")
-                sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(
-                    dead or "the model is shutting down; retry on another instance")), flags=final)
+                error = (pb.TritonError(UNHEALTHY_MESSAGE, pb.TritonError.UNAVAILABLE) if unhealthy
+                         else pb.TritonError(dead or "the model is shutting down; retry on another instance"))
+                sender.send(pb.InferenceResponse(output_tensors=[], error=error), flags=final)
                 continue
             cid = ""
             try:

@@ -47,6 +47,7 @@ class ServingStatLogger(StatLoggerBase):
                     }
                     for f in iteration_stats.finished_requests
                 ],
+                n_params=getattr(iteration_stats, "n_params_iter", ()),
             )
 
     def log_engine_initialized(self) -> None:

@@ -1,0 +1,158 @@
+"""Triton's model repository API (explicit model control) against a `llmhost serve`
+started with ``--triton-arg=--model-control-mode=explicit``: model directories made
+from the one serve rendered, load / unload / index with the admin key, and what a
+server leaves behind (its processes, /dev/shm segments)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import requests
+
+from llmhost.admin_key import HEADER, read_key
+from tests.harness.server import Server
+
+LOAD_TIMEOUT_S = 600  # a vLLM engine on a busy 2-core machine; a bound, not a target
+# The python backend's shared-memory regions get this prefix on the servers these
+# tests start, so that a leftover is told from another server's segment.
+SHM_PREFIX = "llmhost_e2e_shm"
+
+
+def explicit_args(shm_prefix: str = SHM_PREFIX, load: str = "tiny") -> list[str]:
+    """`llmhost serve` arguments: explicit model control, MODEL loaded at start."""
+    return ["--triton-arg=--model-control-mode=explicit", f"--triton-arg=--load-model={load}",
+            f"--triton-arg=--backend-config=python,shm-region-prefix-name={shm_prefix}"]
+
+
+def workdir_of(server: Server) -> Path:
+    """serve's --workdir (the harness passes <its workdir>/triton)."""
+    return server.log.parent / "triton"
+
+
+def repository(server: Server) -> Path:
+    return workdir_of(server) / "models"
+
+
+def admin_headers(server: Server) -> dict[str, str]:
+    return {HEADER: read_key(workdir_of(server) / "admin-key")}
+
+
+def add_model(server: Server, name: str, params: dict[str, str] | None = None,
+              engine_args: dict[str, Any] | None = None, model_json: str | None = None) -> Path:
+    """A copy of the served model's directory as model NAME: config.pbtxt's parameters
+    replaced by PARAMS (none when None), ENGINE_ARGS merged into model.json, or
+    MODEL_JSON written as model.json's text instead."""
+    src = repository(server) / server.name
+    dst = repository(server) / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    config = (dst / "config.pbtxt").read_text()
+    config = config.replace(f'name: "{server.name}"', f'name: "{name}"')
+    config = re.sub(r"parameters: \{\s*key: \"[A-Z_]+\"\s*value: \{[^}]*\}\s*\}", "", config)
+    for key, value in (params or {}).items():
+        config += f'\nparameters: {{\n  key: "{key}"\n  value: {{ string_value: "{value}" }}\n}}\n'
+    (dst / "config.pbtxt").write_text(config)
+    if model_json is not None:
+        (dst / "model.json").write_text(model_json)
+    elif engine_args:
+        data = json.loads((dst / "model.json").read_text())
+        data.update(engine_args)
+        (dst / "model.json").write_text(json.dumps(data, indent=2))
+    return dst
+
+
+def load(server: Server, name: str) -> requests.Response:
+    return requests.post(f"{server.http}/v2/repository/models/{name}/load", headers=admin_headers(server),
+                         timeout=LOAD_TIMEOUT_S)
+
+
+def unload(server: Server, name: str) -> requests.Response:
+    return requests.post(f"{server.http}/v2/repository/models/{name}/unload", headers=admin_headers(server),
+                         timeout=LOAD_TIMEOUT_S)
+
+
+def index(server: Server) -> dict[str, dict[str, Any]]:
+    """The repository index by model name (state READY, UNAVAILABLE, ...)."""
+    r = requests.post(f"{server.http}/v2/repository/index", headers=admin_headers(server), json={}, timeout=30)
+    r.raise_for_status()
+    return {m["name"]: m for m in r.json()}
+
+
+def ready(server: Server, name: str) -> bool:
+    try:
+        return requests.get(f"{server.http}/v2/models/{name}/ready", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def wait_until(check: Any, timeout_s: float, every_s: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(every_s)
+    return bool(check())
+
+
+def tritonserver(server: Server) -> psutil.Process:
+    procs = [p for p in server.descendants() if p.name() == "tritonserver"]
+    assert len(procs) == 1, procs
+    return procs[0]
+
+
+def live_pids(server: Server) -> set[int]:
+    """Every process under `llmhost serve` that is not a zombie."""
+    out = set()
+    for p in server.descendants():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def describe(pids: set[int]) -> list[str]:
+    out = []
+    for pid in sorted(pids):
+        try:
+            p = psutil.Process(pid)
+            out.append(f"{pid} {' '.join(p.cmdline())[:160] or p.name()}")
+        except psutil.NoSuchProcess:
+            out.append(f"{pid} (gone)")
+    return out
+
+
+def shm_segments() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def mapped_segments() -> set[str]:
+    """/dev/shm names some live process maps (any user's we can read)."""
+    out: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        out.update(m.group(1) for m in re.finditer(r"/dev/shm/(\S+)", text))
+    return out
+
+
+def leftover_segments(before: set[str], prefix: str = SHM_PREFIX) -> set[str]:
+    """Segments new since BEFORE that are ours (the python backend's, by PREFIX) or
+    that no live process maps (a leak; the segments of other servers running on this
+    machine at the same time are mapped by them)."""
+    new = shm_segments() - before
+    if not new:
+        return set()
+    mapped = mapped_segments()
+    return {s for s in new if s.startswith(prefix) or s not in mapped}
