@@ -15,6 +15,8 @@ The tests of this module run in order and share the server; the last one stops i
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +148,34 @@ def test_load_unload_and_failing_loads_leave_nothing_behind(state: _State):
     # Threads of tritonserver: a round leaves none behind (the second ends with no more than the first).
     assert threads[1] <= threads[0], threads
     assert repo.ready(srv, srv.name)
+
+
+def test_a_repository_laid_out_for_nvidias_vllm_backend_loads_unchanged(state: _State, tiny_model: Path):
+    """vllm_backend's own sample layout: config.pbtxt with only the backend and a
+    KIND_MODEL instance group (no name, no parameters), model.json in the version
+    directory, nothing at the model level; its client's request shape (text_input,
+    sampling_parameters as a JSON string, exclude_input_in_output)."""
+    srv = state.server
+    base = repo.live_pids(srv)
+    model = repo.repository(srv) / "nv_layout"
+    if model.exists():
+        shutil.rmtree(model)
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(
+        'backend: "vllm"\n\ninstance_group [\n  {\n    count: 1\n    kind: KIND_MODEL\n  }\n]\n')
+    (model / "1" / "model.json").write_text(json.dumps(
+        {"model": str(tiny_model), "enforce_eager": True, "dtype": "bfloat16", "max_model_len": 512}, indent=4))
+    r = repo.load(srv, "nv_layout")
+    assert r.status_code == 200, r.text
+    nv = dataclasses.replace(srv, name="nv_layout")
+    out = generate(nv, text_input=PROMPT, exclude_input_in_output=True, return_num_output_tokens=True,
+                   sampling_parameters=json.dumps({"temperature": 0, "max_tokens": 5, "ignore_eos": True}))
+    assert out["_status"] == 200, out
+    assert out["num_output_tokens"] == 5 and not out["text_output"].startswith(PROMPT), out
+    assert not (model / "model.json").exists()  # nothing was written at the model level
+    r = repo.unload(srv, "nv_layout")
+    assert r.status_code == 200, r.text
+    _wait_back_to(state, base, "the vllm_backend-layout model's unload")
 
 
 def test_stopping_the_server_leaves_no_process_and_no_segment(state: _State):
