@@ -76,10 +76,11 @@ def chunk(text: str, count: int, final: bool = False) -> Chunk:
     return Chunk([text], ["length" if final else ""], 3, [count], final)
 
 
-def make_io(window_s: float, metrics: ServingMetrics | None = None, exporter: Any = None) -> Any:
+def make_io(window_s: float, metrics: ServingMetrics | None = None, exporter: Any = None,
+            fresh: bool = True) -> Any:
     from llmhost.backend.model import _MetricsPush, _TritonIO
 
-    push = _MetricsPush(metrics or ServingMetrics(), exporter)
+    push = _MetricsPush(metrics or ServingMetrics(), exporter, on_final=fresh)
     return _TritonIO(runner=None, push=push, interval_s=0.25,  # type: ignore[arg-type]
                      metrics_s=60.0, window_s=window_s, periodic=True, name="test-io")
 
@@ -352,3 +353,23 @@ def test_metrics_reach_triton_before_the_final_response(fake_pb: None, ends_with
     stop(io)
     assert sender.tokens_seen[-1] == 7
     assert exporter.total("vllm:request_params_n_count") == 1
+
+
+def test_without_fresh_metrics_a_final_response_does_not_push(fake_pb: None) -> None:
+    """fresh_metrics false: the final response leaves without a push (the periodic
+    push, 60 s here, has not come); stopping the I/O thread pushes what is left."""
+    from llmhost.backend.model import _TritonSink
+
+    metrics, exporter = ServingMetrics(), _Exporter()
+    io = make_io(window_s=0.0, metrics=metrics, exporter=exporter, fresh=False)
+    sender = _SnapshotSender(exporter)
+    sink = _TritonSink(io, sender, frozenset())
+    sink.send(chunk("a", 1))
+    assert sender.wait_for("a")
+    metrics.record_iteration(prompt_tokens=5, generation_tokens=7, ttfts=[0.1], itls=[0.01], preempted=0,
+                             finished=[], n_params=[2])
+    sink.send(chunk("b", 2, final=True))
+    assert sender.wait_for("ab")
+    assert sender.tokens_seen[-1] == 0
+    stop(io)
+    assert exporter.total("vllm:generation_tokens_total") == 7

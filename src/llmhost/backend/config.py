@@ -74,6 +74,11 @@ class BackendSettings:
     # own server does on CUDA; "fork" copies the stub's process, which runs Python on
     # the stub's embedded libpython (VLLM_WORKER_MULTIPROC_METHOD).
     engine_start_method: str = "spawn"
+    # Push the metrics before each request's final response (or error), so that a
+    # client reading /metrics right after its answer finds it counted (NVIDIA's
+    # vllm_backend records them per engine step). false: only every
+    # metrics_interval_s, which saves round trips to tritonserver under heavy load.
+    fresh_metrics: bool = True
 
 
 @dataclass(frozen=True)

@@ -546,7 +546,7 @@ class EngineRunner:
                     top = tops[i]
                     if top is not None:
                         top.extend(positions(co.logprobs))
-                if out.finished and self._stats:
+                if out.finished and self._stats and self.config.settings.fresh_metrics:
                     await self._stats_caught_up()
                 if not (job.stream or out.finished):
                     continue

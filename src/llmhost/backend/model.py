@@ -102,10 +102,16 @@ class _MetricsPush:
     (any I/O thread), so that a client reading /metrics right after its response
     finds its request counted. A lock keeps two threads from pushing at once."""
 
-    def __init__(self, metrics: ServingMetrics, exporter: TritonExporter | None) -> None:
+    def __init__(self, metrics: ServingMetrics, exporter: TritonExporter | None, on_final: bool = True) -> None:
         self.metrics = metrics
         self.exporter = exporter
+        self.on_final = on_final  # the model's fresh_metrics
         self._lock = threading.Lock()
+
+    def before_final(self, pb: Any) -> None:
+        """Before a final response or error: push, unless the model pushes only periodically."""
+        if self.on_final:
+            self.flush(pb)
 
     def flush(self, pb: Any) -> None:
         if self.exporter is None:
@@ -263,14 +269,14 @@ class _TritonIO:
         try:
             if kind == "chunk":
                 if payload.final:
-                    self.push.flush(pb)  # the request's tokens are on /metrics before its client has its answer
+                    self.push.before_final(pb)  # the request's tokens are on /metrics before its client has its answer
                 sink.sender.send(self._response(pb, sink, payload), flags=final if payload.final else 0)
                 if payload.final:
                     self._forget(sink)
                 else:
                     self._maybe_check(sink, time.monotonic())
             elif kind == "error":
-                self.push.flush(pb)
+                self.push.before_final(pb)
                 sink.sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(payload)),
                                  flags=final)
                 self._forget(sink)
@@ -327,7 +333,7 @@ class _TritonIOPool:
 
     def __init__(self, runner: EngineRunner, metrics: ServingMetrics, settings: Any,
                  exporter: TritonExporter | None) -> None:
-        self.push = _MetricsPush(metrics, exporter)
+        self.push = _MetricsPush(metrics, exporter, settings.fresh_metrics)
         self.shards = [
             _TritonIO(runner, self.push, settings.cancel_check_interval_s, settings.metrics_interval_s,
                       settings.stream_interval_ms / 1000.0, i == 0, f"llmhost-triton-io-{i}")
