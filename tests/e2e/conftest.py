@@ -11,8 +11,11 @@ from tests.harness.server import Server, start_server, wait_gone
 @pytest.fixture(scope="session")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # Two response threads, so every e2e test also covers streams spread over
-    # several I/O threads (the default is one).
-    srv = start_server(tiny_model, tmp_path_factory.mktemp("serve"), extra=["--setting", "response_threads=2"])
+    # several I/O threads (the default is one); fresh_metrics, so tests that read
+    # /metrics right after a response (vllm_backend's contract) find it counted.
+    # The default (periodic pushes only) is what the system tests deploy.
+    srv = start_server(tiny_model, tmp_path_factory.mktemp("serve"),
+                       extra=["--setting", "response_threads=2", "--setting", "fresh_metrics=true"])
     yield srv
     kids = srv.descendants()
     srv.stop()
