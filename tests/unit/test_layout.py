@@ -79,24 +79,3 @@ def test_backend_settings_reach_model_json_and_win(tmp_path: Path):
     model = {"name": "m", "path": "/m", "default_max_tokens": 64, "settings": {"default_max_tokens": 32}}
     d = make_model_dir(tmp_path / "repo2", model)
     assert json.loads((d / "model.json").read_text())["llmhost"]["default_max_tokens"] == 32
-
-
-def test_the_shim_applies_pythonpath_in_an_isolated_interpreter(tmp_path: Path):
-    """The python stub's interpreter ignores PYTHONPATH (isolated, like python -I): the
-    shim puts its entries first, so the stub imports the llmhost the server runs with."""
-    import os
-    import subprocess
-    import sys
-    from importlib import resources
-
-    fake = tmp_path / "src" / "llmhost" / "backend"
-    fake.mkdir(parents=True)
-    (fake.parent / "__init__.py").write_text("")
-    (fake / "__init__.py").write_text("")
-    (fake / "model.py").write_text("class TritonPythonModel:\n    origin = 'checkout under test'\n")
-    shim = resources.files("llmhost.backend").joinpath("shim.py").read_text()
-    code = shim + "\nprint(TritonPythonModel.origin)\n"
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "src"))
-    out = subprocess.run([sys.executable, "-I", "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "checkout under test"
