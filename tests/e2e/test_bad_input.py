@@ -3,15 +3,24 @@ next good request (it stays ready)."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
 import pytest
 import requests
+from PIL import Image
 
 from tests.e2e._client import generate, grpc_stream
 
 GOOD = {"text_input": "hello", "max_tokens": 2}
 LONG_PROMPT = "def f(x):\n    return x\n" * 200  # far beyond max_model_len 512
+
+
+def _png_b64() -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 @pytest.mark.parametrize(
@@ -35,6 +44,9 @@ LONG_PROMPT = "def f(x):\n    return x\n" * 200  # far beyond max_model_len 512
         ({"messages": "not json"}, "'messages' is not valid JSON"),
         ({"text_input": "x", "n": 64}, "'n' must be between 1 and 8"),
         ({"text_input": "x", "json_schema": "not a schema"}, "must be a JSON schema object"),
+        # The tiny model is text only: a real picture is refused naming the input, as is bad base64.
+        ({"text_input": "<image> what is it", "image": [_png_b64()]}, "input 'image' needs a multimodal model"),
+        ({"text_input": "x", "image": ["not base64!"]}, "input 'image'[0] is not valid base64"),
     ],
 )
 def test_http_bad_input(server, body, needle):

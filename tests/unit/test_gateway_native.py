@@ -46,6 +46,19 @@ def test_generate_maps_inputs_and_parameters_and_answers_as_triton():
     assert msg.parameters["triton_enable_empty_final_response"].bool_param
 
 
+def test_images_pass_through_as_one_bytes_input_of_shape_n():
+    fake = Fake()
+    for image, shape in (("aGk=", [1]), (["aGk=", "eW8="], [2])):
+        r = _run(make_app(fake), "POST", "/v2/models/m/generate", json={"text_input": "<image> x", "image": image})
+        assert r.status_code == 200
+        msg = fake.seen[-1]
+        t = next(t for t in msg.inputs if t.name == "image")
+        assert (t.datatype, list(t.shape)) == ("BYTES", shape)
+        items = [image] if isinstance(image, str) else image
+        assert _inputs(msg)["image"][1] == b"".join(len(v).to_bytes(4, "little") + v.encode() for v in items)
+        assert "image" not in msg.parameters
+
+
 def test_generate_returns_the_counts_the_client_asked_for():
     r = _run(make_app(Fake()), "POST", "/v2/models/m/generate",
              json={"text_input": "x", "return_num_output_tokens": True})
@@ -123,6 +136,9 @@ def test_native_generate_is_retried_on_another_upstream_when_the_first_is_down()
     ({"text_input": "x", "parameters": [1]}, "parameters"),
     ({"text_input": "x", "seed": None}, "seed"),
     ({"text_input": "x", "id": 3}, "id"),
+    ({"text_input": "x", "image": []}, "image"),
+    ({"text_input": "x", "image": ["aGk=", 5]}, "image"),
+    ({"text_input": "x", "image": {"a": 1}}, "image"),
     ([1, 2], "JSON object"),
 ])
 def test_bad_generate_bodies_are_400_naming_the_field(body, names):

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from llmhost.backend.config import ModelConfig
 from llmhost.backend.errors import RequestError
 from llmhost.backend.failures import ENGINE_ERROR, INVALID_REQUEST, classify
+from llmhost.backend.images import no_images_here
 from llmhost.backend.lora import find_adapter, lora_request
 from llmhost.backend.metrics import ServingMetrics
 from llmhost.backend.outputs import Position, positions
@@ -184,6 +185,7 @@ class EngineRunner:
         self._max_model_len = 0
         self._stop: asyncio.Event | None = None
         self._encoder: PromptEncoder | None = None  # made on the engine loop at the first request
+        self._multimodal = False  # vLLM's model config says the model takes images
         self._limits: RequestLimits | None = None
         self._stop_server = stop_server or stop_tritonserver
         self._watch = EngineWatch()
@@ -266,6 +268,7 @@ class EngineRunner:
                                                      if self._stats else None)
             self._tokenizer = self._engine.get_tokenizer()
             self._max_model_len = int(self._engine.model_config.max_model_len)
+            self._multimodal = bool(getattr(self._engine.model_config, "is_multimodal_model", False))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             failure.append(exc)
             if self._engine is not None:  # built, then something after failed: no EngineCore left behind
@@ -463,6 +466,18 @@ class EngineRunner:
                                           self.config.settings.tokenizer_threads)
         return await self._encoder.encode(job)
 
+    async def _prompt(self, job: GenerateJob) -> tuple[dict[str, Any], int]:
+        """vLLM's prompt for the job (token ids, and the images of a multimodal
+        request) and the prompt's length in tokens before any image is expanded."""
+        ids = await self._prompt_ids(job)
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if job.images:
+            if not self._multimodal:
+                raise no_images_here(str(self.config.engine_args.get("model", "")))
+            assert self._encoder is not None  # made by _prompt_ids
+            prompt["multi_modal_data"] = {"image": await self._encoder.images(job.images)}
+        return prompt, len(ids)
+
     def _sampling_params(self, job: GenerateJob, prompt_len: int) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -518,8 +533,8 @@ class EngineRunner:
         metrics = self.metrics
         counts: list[int] = []  # output tokens of each completion, as sent to the sink
         try:
-            ids = await self._prompt_ids(job)
-            params = self._sampling_params(job, len(ids))
+            prompt, prompt_len = await self._prompt(job)
+            params = self._sampling_params(job, prompt_len)
             n = params.n
             counts = [0] * n
             reasons = [""] * n
@@ -530,7 +545,7 @@ class EngineRunner:
             # The adapter, when the request names one (checked again: the model's adapters are fixed at load).
             lora = ({"lora_request": lora_request(find_adapter(job.lora_name, self.config.adapters))}
                     if job.lora_name is not None else {})
-            async for out in self._engine.generate({"prompt_token_ids": ids}, params, active.request_id, **lora):
+            async for out in self._engine.generate(prompt, params, active.request_id, **lora):
                 # A stream's outputs are deltas (DELTA), one response each; else vLLM
                 # gives the whole request once (FINAL_ONLY), kept until it finished. A
                 # completion absent from an output made no progress in it.
@@ -553,7 +568,7 @@ class EngineRunner:
                 counts = [a + b for a, b in zip(counts, step, strict=True)]
                 if out.finished and not job.exclude_input and not job.stream and job.prompt is not None:
                     texts = [job.prompt + t for t in texts]
-                sink.send(Chunk(texts, list(reasons), len(ids), step, final=out.finished,
+                sink.send(Chunk(texts, list(reasons), prompt_len, step, final=out.finished,
                                 cumulative_logprobs=list(cumulative) if job.return_cumulative_logprob else [],
                                 logprobs=tops if job.return_logprobs else []))
                 finished = out.finished

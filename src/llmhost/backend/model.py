@@ -39,6 +39,7 @@ from llmhost.backend.config import ConfigError, ModelConfig, load_model_config, 
 from llmhost.backend.engine import Active, Chunk, EngineRunner, EngineStartError
 from llmhost.backend.errors import RequestError, safe_message
 from llmhost.backend.health import UNHEALTHY_MESSAGE, SelfUnload
+from llmhost.backend.images import IMAGE
 from llmhost.backend.lora import find_adapter, with_adapters
 from llmhost.backend.metrics import ServingMetrics, TritonExporter
 from llmhost.backend.outputs import finish_reasons, logprobs_json
@@ -58,6 +59,8 @@ INPUTS: list[dict[str, Any]] = [
     {"name": MESSAGES, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": SAMPLING_PARAMETERS, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     *({"name": n, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for n in BOOL_INPUTS),
+    # vllm_backend's: base64-encoded images for a multimodal model (llmhost.backend.images).
+    {"name": IMAGE, "data_type": "TYPE_STRING", "dims": [-1], "optional": True},
 ]
 OUTPUTS: list[dict[str, Any]] = [
     {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from llmhost.backend.errors import RequestError, safe_message
+from llmhost.backend.images import open_images
 from llmhost.backend.request import GenerateJob
 
 T = TypeVar("T")
@@ -101,6 +102,10 @@ class PromptEncoder:
             async with self._large:
                 return await self._pool.run(lambda: self._encode(job))
         return await self._pool.run(lambda: self._encode(job))
+
+    async def images(self, blobs: list[bytes]) -> list[Any]:
+        """The 'image' input's pictures opened (Pillow, RGB) on the worker pool."""
+        return await self._pool.run(lambda: open_images(blobs))
 
     def close(self) -> None:
         self._pool.close()

@@ -14,6 +14,7 @@ from typing import Any
 from llmhost.backend import jsonguard
 from llmhost.backend.config import MAXIMA, BackendSettings
 from llmhost.backend.errors import RequestError
+from llmhost.backend.images import IMAGE, parse_images
 from llmhost.backend.limits import MAX_PARAMETERS_BYTES
 from llmhost.backend.lora import request_lora_name
 from llmhost.backend.sampling import validate_sampling
@@ -87,6 +88,8 @@ class GenerateJob:
     # The LoRA adapter the request names (sampling parameter lora_name), checked
     # against the model's adapters by the caller (llmhost.backend.lora).
     lora_name: str | None = None
+    # The 'image' input's pictures, base64-decoded (llmhost.backend.images); empty: text only.
+    images: list[bytes] = field(default_factory=list)
 
     def returns(self) -> frozenset[str]:
         """The additional outputs asked for, as the names of their return_* inputs."""
@@ -270,6 +273,7 @@ def parse_request(
         raise RequestError(f"input '{EXCLUDE_INPUT}' cannot be false when streaming: a stream's responses "
                            "carry only generated text; leave it out or set it true")
     lora_name = request_lora_name(params)
+    images = parse_images(inputs[IMAGE]) if inputs.get(IMAGE) is not None else []
     sampling = validate_sampling(params, settings, limits.max_model_len if limits is not None else None)
     return GenerateJob(
         prompt=prompt,
@@ -281,4 +285,5 @@ def parse_request(
         stream_interval_ms=interval,
         prompt_bytes=prompt_bytes,
         lora_name=lora_name,
+        images=images,
     )

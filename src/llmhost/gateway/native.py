@@ -5,10 +5,11 @@ limits and over the same gRPC upstream pool (never Triton's HTTP port):
   extension. The body's keys that are inputs of our backend (``text_input``,
   ``messages``, ``sampling_parameters``, ``stream``, ``exclude_input_in_output``,
   ``return_finish_reason``, ``return_cumulative_logprob``, ``return_logprobs``,
-  ``return_num_input_tokens``, ``return_num_output_tokens``)
-  become inputs; ``parameters`` (an object) and every other key become request
-  parameters (objects and lists as JSON text). The answer: ``{"model_name",
-  "model_version", <outputs>}`` (one-element outputs as a value), one per response as
+  ``return_num_input_tokens``, ``return_num_output_tokens``, and ``image``: one
+  base64 string or a list of them, for a multimodal model) become inputs;
+  ``parameters`` (an object) and every other key become request parameters
+  (objects and lists as JSON text). The answer: ``{"model_name", "model_version",
+  <outputs>}`` (one-element outputs as a value), one per response as
   SSE ``data: {...}`` events for ``generate_stream``.
 - ``GET /v2/health/live``, ``/v2/health/ready`` (every served model ready on some
   upstream), ``/v2/models/{m}`` (metadata), ``/v2/models/{m}/ready``: 200, or 400 when
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from llmhost.gateway.keys import ApiKey
 
 STRING_INPUTS = ("text_input", "messages", "sampling_parameters")
+# Base64-encoded images: one string or a list of them (an input of shape [n]).
+LIST_INPUTS = ("image",)
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
                "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")
 # Asked of the backend always (for usage and limits), returned only when the client asked.
@@ -96,6 +99,11 @@ class NativeRequest:
                 if not isinstance(value, str):
                     raise invalid(f"input '{name}' must be a string", name)
                 self.inputs[name] = value
+            elif name in LIST_INPUTS:
+                items = [value] if isinstance(value, str) else value
+                if not isinstance(items, list) or not items or not all(isinstance(v, str) for v in items):
+                    raise invalid(f"input '{name}' must be a string or a non-empty list of strings", name)
+                self.inputs[name] = items
             elif name in BOOL_INPUTS:
                 if not isinstance(value, bool):
                     raise invalid(f"input '{name}' must be true or false", name)
@@ -148,6 +156,11 @@ class NativeRequest:
         for name, value in inputs.items():
             t = msg.inputs.add()
             t.name = name
+            if isinstance(value, list):
+                t.shape.append(len(value))
+                t.datatype = "BYTES"
+                msg.raw_input_contents.append(b"".join(_bytes(v) for v in value))
+                continue
             t.shape.append(1)
             if isinstance(value, bool):
                 t.datatype = "BOOL"
