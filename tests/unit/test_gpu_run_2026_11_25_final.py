@@ -19,6 +19,7 @@ import pytest
 
 from llmhost.backend.config import BackendSettings
 from llmhost.gpucheck import speed as gpu_speed
+from tests.harness.gpu_runs import levels, load, median_ratio, ratios
 from tests.harness.paths import FIXTURES
 
 FINAL = FIXTURES / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-25-final"
@@ -28,29 +29,15 @@ SIDES = ("triton", "vllm", "grouped")
 
 @pytest.fixture(scope="module")
 def res() -> dict:
-    return json.loads((FINAL / "result.json").read_text())
-
-
-def _levels(res: dict, side: str, c: int) -> list[dict]:
-    return [sweep["levels"][LEVELS.index(c)] for sweep in res["runs"][side]]
+    return load(FINAL)
 
 
 def _tps(res: dict, side: str, c: int) -> list[float]:
-    return [lv["output_tokens_per_s"] for lv in _levels(res, side, c)]
+    return [lv["output_tokens_per_s"] for lv in levels(res, side, c)]
 
 
 def _ttft_ms(res: dict, side: str, c: int) -> list[float]:
-    return [lv["ttft_s"]["p50"] * 1000 for lv in _levels(res, side, c)]
-
-
-def _ratios(res: dict, path: str, c: int, key: str = "tps") -> list[float]:
-    get = _tps if key == "tps" else _ttft_ms
-    return [round(a / b, 2) for a, b in zip(get(res, path, c), get(res, "vllm", c), strict=True)]
-
-
-def _median_ratio(res: dict, path: str, c: int, key: str = "tps") -> float:
-    get = _tps if key == "tps" else _ttft_ms
-    return round(statistics.median(a / b for a, b in zip(get(res, path, c), get(res, "vllm", c), strict=True)), 2)
+    return [lv["ttft_s"]["p50"] * 1000 for lv in levels(res, side, c)]
 
 
 def _span(values, digits: int = 2) -> tuple[float, float]:
@@ -77,7 +64,7 @@ def test_recorded_on_the_h100_every_level_complete_and_error_free(res: dict):
     for side in SIDES:
         assert [s["round"] for s in res["runs"][side]] == [0, 1, 2]
         for c in LEVELS:
-            for lv in _levels(res, side, c):
+            for lv in levels(res, side, c):
                 assert lv["errors"] == 0 and lv["requests"] > 0 and lv["duration_s"] >= 12.0
                 assert lv["output_tokens_per_s"] / lv["requests_per_s"] == pytest.approx(128, rel=1e-6)
                 assert lv["threads"]["samples"] >= 10 and lv["scheduler"]["samples"] >= 20
@@ -106,9 +93,9 @@ def test_like_for_like_engines_with_the_default_settings(res: dict):
 
 
 def test_the_table_triton_against_vllm(res: dict):
-    assert {c: _ratios(res, "triton", c) for c in LEVELS} == {
+    assert {c: ratios(res, "triton", "vllm", c) for c in LEVELS} == {
         1: [1.17, 0.67, 1.13], 16: [1.14, 0.75, 0.93], 64: [0.97, 0.78, 0.96], 256: [0.95, 0.84, 1.33]}
-    assert {c: _median_ratio(res, "triton", c) for c in LEVELS} == {1: 1.13, 16: 0.93, 64: 0.96, 256: 0.95}
+    assert {c: median_ratio(res, "triton", "vllm", c) for c in LEVELS} == {1: 1.13, 16: 0.93, 64: 0.96, 256: 0.95}
     assert {c: [round(x) for x in _tps(res, "triton", c)] for c in LEVELS} == {
         1: [447, 335, 464], 16: [4673, 4253, 4726], 64: [10336, 10545, 12263], 256: [13344, 15419, 17350]}
     assert {c: [round(x) for x in _tps(res, "vllm", c)] for c in LEVELS} == {
@@ -117,16 +104,18 @@ def test_the_table_triton_against_vllm(res: dict):
     ttft = {c: tuple(round(statistics.median(_ttft_ms(res, side, c))) for side in ("triton", "vllm"))
             for c in LEVELS}
     assert ttft == {1: (14, 18), 16: (32, 28), 64: (93, 124), 256: (488, 366)}
-    assert {c: _ratios(res, "triton", c, "ttft") for c in LEVELS} == {
+    assert {c: ratios(res, "triton", "vllm", c, "ttft") for c in LEVELS} == {
         1: [0.7, 1.31, 0.74], 16: [0.86, 1.24, 0.98], 64: [1.3, 0.75, 0.6], 256: [2.57, 1.43, 1.12]}
-    assert {c: _median_ratio(res, "triton", c, "ttft") for c in LEVELS} == {1: 0.74, 16: 0.98, 64: 0.75, 256: 1.43}
+    assert {c: median_ratio(res, "triton", "vllm", c, "ttft") for c in LEVELS} == {
+        1: 0.74, 16: 0.98, 64: 0.75, 256: 1.43}
 
 
 def test_the_table_grouped_against_vllm(res: dict):
-    assert {c: _ratios(res, "grouped", c) for c in LEVELS} == {
+    assert {c: ratios(res, "grouped", "vllm", c) for c in LEVELS} == {
         1: [1.17, 0.75, 1.03], 16: [1.3, 0.8, 0.96], 64: [1.05, 0.91, 0.96], 256: [1.52, 0.99, 1.32]}
-    assert {c: _median_ratio(res, "grouped", c) for c in LEVELS} == {1: 1.03, 16: 0.96, 64: 0.96, 256: 1.32}
-    assert {c: _median_ratio(res, "grouped", c, "ttft") for c in LEVELS} == {1: 0.91, 16: 0.98, 64: 0.51, 256: 0.67}
+    assert {c: median_ratio(res, "grouped", "vllm", c) for c in LEVELS} == {1: 1.03, 16: 0.96, 64: 0.96, 256: 1.32}
+    assert {c: median_ratio(res, "grouped", "vllm", c, "ttft") for c in LEVELS} == {
+        1: 0.91, 16: 0.98, 64: 0.51, 256: 0.67}
     assert {c: round(statistics.median(_tps(res, "grouped", c))) for c in LEVELS} == {
         1: 424, 16: 4889, 64: 12251, 256: 18090}
     assert {c: round(statistics.median(_ttft_ms(res, "grouped", c))) for c in LEVELS} == {
@@ -151,7 +140,7 @@ def test_the_noise_round_2(res: dict):
     # Round 2 (vLLM first) holds the lowest per-round ratio at every level, for both of our sides:
     for path in ("triton", "grouped"):
         for c in LEVELS:
-            r = _ratios(res, path, c)
+            r = ratios(res, path, "vllm", c)
             assert r[1] == min(r) and r[1] < min(r[0], r[2])
     # vLLM's server was fastest in round 2 at every level ...
     for c in LEVELS:
@@ -173,7 +162,7 @@ def test_the_client_and_the_machine_were_not_the_limit(res: dict):
     busiest = {s: [] for s in SIDES}
     for side in SIDES:
         for c in LEVELS:
-            for lv in _levels(res, side, c):
+            for lv in levels(res, side, c):
                 busiest[side].append(lv["client_cpu_max_s"] / lv["duration_s"])
                 assert lv["samples"]["cpu_cores_busy"] < 4.0  # of 16
                 # The measured server's threads waited for a CPU under 0.003 core-s a second.
@@ -185,25 +174,25 @@ def test_the_client_and_the_machine_were_not_the_limit(res: dict):
     assert _span(busiest["vllm"], 3) == (0.055, 0.128)
     assert max(busiest["triton"]) < 0.07 and max(busiest["grouped"]) < 0.03
     # The table: the client's CPU s per level, all 8 processes (range over the rounds) and the busiest one.
-    client = {s: [(_span((lv["client_cpu_s"] for lv in _levels(res, s, c)), 1),
-                   round(max(lv["client_cpu_max_s"] for lv in _levels(res, s, c)), 2)) for c in LEVELS] for s in SIDES}
+    client = {s: [(_span((lv["client_cpu_s"] for lv in levels(res, s, c)), 1),
+                   round(max(lv["client_cpu_max_s"] for lv in levels(res, s, c)), 2)) for c in LEVELS] for s in SIDES}
     assert client == {
         "triton": [((0.7, 0.7), 0.72), ((4.7, 5.2), 0.81), ((2.2, 3.3), 0.58), ((1.0, 1.2), 0.28)],
         "vllm": [((0.7, 0.8), 0.77), ((6.2, 6.3), 1.02), ((8.2, 9.9), 1.32), ((10.5, 12.5), 1.73)],
         "grouped": [((0.1, 0.1), 0.07), ((0.9, 1.0), 0.13), ((1.7, 1.8), 0.26), ((1.1, 1.1), 0.22)]}
     # GPU utilisation per level (%, range over the rounds).
-    util = {s: [_span((lv["samples"]["gpu_util_pct"] for lv in _levels(res, s, c)), 0) for c in LEVELS] for s in SIDES}
+    util = {s: [_span((lv["samples"]["gpu_util_pct"] for lv in levels(res, s, c)), 0) for c in LEVELS] for s in SIDES}
     assert util == {"triton": [(45, 61), (42, 45), (33, 41), (24, 28)],
                     "vllm": [(50, 64), (37, 52), (38, 45), (22, 33)],
                     "grouped": [(47, 57), (44, 48), (35, 41), (32, 34)]}
-    busy = [_span((lv["samples"]["cpu_cores_busy"] for s in SIDES for lv in _levels(res, s, c)), 1) for c in LEVELS]
+    busy = [_span((lv["samples"]["cpu_cores_busy"] for s in SIDES for lv in levels(res, s, c)), 1) for c in LEVELS]
     assert busy == [(1.6, 1.9), (2.2, 3.9), (3.0, 3.8), (2.7, 3.9)]
-    assert _span((lv["duration_s"] for s in SIDES for c in LEVELS for lv in _levels(res, s, c)), 1) == (12.0, 14.3)
+    assert _span((lv["duration_s"] for s in SIDES for c in LEVELS for lv in levels(res, s, c)), 1) == (12.0, 14.3)
     # vLLM's EngineCore main thread is the one thread near a full core at c=1-64, on every side;
     # at c=256 on vLLM's side its API server's main thread (comm python3).
     assert _span(_thread(lv, "VLLM::EngineCor") for s in SIDES for c in (1, 16, 64)
-                 for lv in _levels(res, s, c)) == (0.89, 0.95)
-    assert _span(_thread(lv, "python3") for lv in _levels(res, "vllm", 256)) == (0.93, 0.95)
+                 for lv in levels(res, s, c)) == (0.89, 0.95)
+    assert _span(_thread(lv, "python3") for lv in levels(res, "vllm", 256)) == (0.93, 0.95)
 
 
 def test_server_cpu_per_sweep(res: dict):
@@ -224,23 +213,23 @@ def test_server_cpu_per_sweep(res: dict):
 def test_c256_first_tokens_wait_before_the_engine_on_the_triton_path(res: dict):
     """Client means against vLLM's own histograms (the same stats code on both sides)."""
     def outside_s(side: str, c: int) -> tuple[float, float]:
-        return _span(lv["e2e_s"]["mean"] - lv["scheduler"]["e2e_ms"] / 1000 for lv in _levels(res, side, c))
+        return _span(lv["e2e_s"]["mean"] - lv["scheduler"]["e2e_ms"] / 1000 for lv in levels(res, side, c))
 
     def first_ms(side: str) -> tuple[float, float]:
-        return _span((lv["ttft_s"]["mean"] * 1000 - lv["scheduler"]["ttft_ms"] for lv in _levels(res, side, 256)), 0)
+        return _span((lv["ttft_s"]["mean"] * 1000 - lv["scheduler"]["ttft_ms"] for lv in levels(res, side, 256)), 0)
 
     def engine_ttft_ms(side: str) -> tuple[float, float]:
-        return _span((lv["scheduler"]["ttft_ms"] for lv in _levels(res, side, 256)), 0)
+        return _span((lv["scheduler"]["ttft_ms"] for lv in levels(res, side, 256)), 0)
 
     def running(side: str) -> tuple[float, float]:
-        return _span((lv["scheduler"]["running_mean"] for lv in _levels(res, side, 256)), 0)
+        return _span((lv["scheduler"]["running_mean"] for lv in levels(res, side, 256)), 0)
 
     assert outside_s("triton", 256) == (0.41, 0.72)
     assert outside_s("grouped", 256) == (0.24, 0.29)
     assert outside_s("vllm", 256) == (0.03, 0.21)
     # At c=16 nothing waits outside: at most 18 ms a request on every side.
     assert max(abs(lv["e2e_s"]["mean"] - lv["scheduler"]["e2e_ms"] / 1000)
-               for side in SIDES for lv in _levels(res, side, 16)) < 0.018
+               for side in SIDES for lv in levels(res, side, 16)) < 0.018
     # Before the first token reaches the client, outside vLLM's engine: ms a request.
     assert first_ms("triton") == (582, 1048)
     assert first_ms("grouped") == (216, 434)
@@ -250,20 +239,20 @@ def test_c256_first_tokens_wait_before_the_engine_on_the_triton_path(res: dict):
     assert engine_ttft_ms("vllm") == (247, 436)
     assert running("triton") == (36, 94) and running("vllm") == (165, 184) and running("grouped") == (150, 164)
     # Triton's queue before execute(): 41-54 ms a request, one request per execute().
-    assert _span((lv["scheduler"]["triton_queue_ms"] for lv in _levels(res, "triton", 256)), 0) == (41, 54)
+    assert _span((lv["scheduler"]["triton_queue_ms"] for lv in levels(res, "triton", 256)), 0) == (41, 54)
     assert {lv["scheduler"]["requests_per_execute"] for s in ("triton", "grouped") for c in LEVELS
-            for lv in _levels(res, s, c)} == {1.0}
+            for lv in levels(res, s, c)} == {1.0}
     # The stub's engine-loop thread (submits every request, handles every output) at
     # 0.69-0.73 of a core at c=256, 0.32-0.34 at c=16; its one I/O thread under 0.2.
-    assert _span(_thread(lv, "lh-engine") for lv in _levels(res, "triton", 256)) == (0.69, 0.73)
-    assert _span(_thread(lv, "lh-engine") for lv in _levels(res, "triton", 16)) == (0.32, 0.34)
-    assert max(_thread(lv, "lh-triton-io-0") for lv in _levels(res, "triton", 256)) < 0.2
+    assert _span(_thread(lv, "lh-engine") for lv in levels(res, "triton", 256)) == (0.69, 0.73)
+    assert _span(_thread(lv, "lh-engine") for lv in levels(res, "triton", 16)) == (0.32, 0.34)
+    assert max(_thread(lv, "lh-triton-io-0") for lv in levels(res, "triton", 256)) < 0.2
 
 
 def test_c16_the_engine_steps_alike_on_both_sides(res: dict):
     """vLLM's inter-token latency histogram (mean per level, ms) at c=16 overlaps between
     the sides, so the c=16 shortfall is not a slower engine step as it was when forked."""
-    itl = {s: _span(lv["scheduler"]["itl_ms"] for lv in _levels(res, s, 16)) for s in ("triton", "vllm")}
+    itl = {s: _span(lv["scheduler"]["itl_ms"] for lv in levels(res, s, 16)) for s in ("triton", "vllm")}
     assert itl == {"triton": (3.16, 3.56), "vllm": (2.69, 3.70)}
-    assert statistics.median(lv["scheduler"]["itl_ms"] for lv in _levels(res, "triton", 16)) == 3.23
-    assert statistics.median(lv["scheduler"]["itl_ms"] for lv in _levels(res, "vllm", 16)) == 2.98
+    assert statistics.median(lv["scheduler"]["itl_ms"] for lv in levels(res, "triton", 16)) == 3.23
+    assert statistics.median(lv["scheduler"]["itl_ms"] for lv in levels(res, "vllm", 16)) == 2.98

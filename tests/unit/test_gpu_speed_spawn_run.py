@@ -14,6 +14,7 @@ import statistics
 
 import pytest
 
+from tests.harness.gpu_runs import levels, median_ratio, ratios
 from tests.harness.paths import FIXTURES
 
 RUN = FIXTURES / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-25-spawn"
@@ -24,24 +25,6 @@ SIDES = ("triton", "vllm", "variant")
 @pytest.fixture(scope="module")
 def res() -> dict:
     return json.loads((RUN / "result.json").read_text())
-
-
-def _levels(res: dict, side: str, c: int) -> list[dict]:
-    return [sweep["levels"][LEVELS.index(c)] for sweep in res["runs"][side]]
-
-
-def _ratios(res: dict, path: str, base: str, c: int, key: str = "tps") -> list[float]:
-    pairs = zip(_levels(res, path, c), _levels(res, base, c), strict=True)
-    if key == "tps":
-        return [round(a["output_tokens_per_s"] / b["output_tokens_per_s"], 2) for a, b in pairs]
-    return [round(a["ttft_s"]["p50"] / b["ttft_s"]["p50"], 2) for a, b in pairs]
-
-
-def _median(res: dict, path: str, base: str, c: int, key: str = "tps") -> float:
-    pairs = zip(_levels(res, path, c), _levels(res, base, c), strict=True)
-    field = "output_tokens_per_s" if key == "tps" else "ttft_s"
-    values = [(a[field] / b[field]) if key == "tps" else a[field]["p50"] / b[field]["p50"] for a, b in pairs]
-    return round(statistics.median(values), 2)
 
 
 def _engine_core(sweep: dict) -> dict:
@@ -61,7 +44,7 @@ def test_recorded_on_the_h100_every_level_complete_and_error_free(res: dict):
     for side in SIDES:
         assert [s["round"] for s in res["runs"][side]] == [0, 1, 2]
         for c in LEVELS:
-            for lv in _levels(res, side, c):
+            for lv in levels(res, side, c):
                 assert lv["errors"] == 0 and lv["requests"] > 0 and lv["duration_s"] >= 12.0
                 assert lv["output_tokens_per_s"] / lv["requests_per_s"] == pytest.approx(128, rel=1e-6)
                 # Neither the client (busiest process under 0.12 of a core) nor the GPU was the limit.
@@ -84,35 +67,36 @@ def test_the_engine_started_the_way_vllms_server_starts_it(res: dict):
 
 def test_c16_the_engine_steps_as_fast_as_behind_vllms_server(res: dict):
     # vLLM's own inter-token latency histogram (mean per level): the same on both sides.
-    ours = [lv["scheduler"]["itl_ms"] for lv in _levels(res, "triton", 16)]
-    theirs = [lv["scheduler"]["itl_ms"] for lv in _levels(res, "vllm", 16)]
+    ours = [lv["scheduler"]["itl_ms"] for lv in levels(res, "triton", 16)]
+    theirs = [lv["scheduler"]["itl_ms"] for lv in levels(res, "vllm", 16)]
     assert ours == [3.72, 3.53, 3.76] and theirs == [4.03, 3.93, 3.33]
     assert statistics.median(ours) <= 1.05 * statistics.median(theirs)
     # So c=16 meets issue 14's goal: throughput >= 0.97x, TTFT p50 <= 1.10x.
-    assert _ratios(res, "triton", "vllm", 16) == [1.08, 1.12, 0.92]
-    assert _median(res, "triton", "vllm", 16) == 1.08 and _median(res, "triton", "vllm", 16, "ttft") == 0.72
-    assert _median(res, "triton", "vllm", 1) == 0.96 and _median(res, "triton", "vllm", 1, "ttft") == 0.9
+    assert ratios(res, "triton", "vllm", 16) == [1.08, 1.12, 0.92]
+    assert median_ratio(res, "triton", "vllm", 16) == 1.08 and median_ratio(res, "triton", "vllm", 16, "ttft") == 0.72
+    assert median_ratio(res, "triton", "vllm", 1) == 0.96 and median_ratio(res, "triton", "vllm", 1, "ttft") == 0.9
 
 
 def test_c64_and_c256_responses_wait_outside_the_engine(res: dict):
-    assert _ratios(res, "triton", "vllm", 64) == [0.91, 0.92, 0.94]
-    assert _ratios(res, "triton", "vllm", 256) == [0.81, 0.76, 0.63]
-    assert _median(res, "triton", "vllm", 256, "ttft") == 4.77
+    assert ratios(res, "triton", "vllm", 64) == [0.91, 0.92, 0.94]
+    assert ratios(res, "triton", "vllm", 256) == [0.81, 0.76, 0.63]
+    assert median_ratio(res, "triton", "vllm", 256, "ttft") == 4.77
 
     def outside_ms(side: str, c: int) -> list[float]:
         """Client E2E (mean) minus vLLM's own e2e histogram (mean): time a request spends
         outside the engine, between the client and AsyncLLM."""
-        return [lv["e2e_s"]["mean"] * 1000 - lv["scheduler"]["e2e_ms"] for lv in _levels(res, side, c)]
+        return [lv["e2e_s"]["mean"] * 1000 - lv["scheduler"]["e2e_ms"] for lv in levels(res, side, c)]
 
     assert max(outside_ms("vllm", 64)) < 31 and min(outside_ms("triton", 64)) > 53
     assert max(outside_ms("vllm", 256)) < 180 and min(outside_ms("triton", 256)) > 2000
     # Four response threads send faster: under half the wait at c=256, and the engine's
     # running batch grows with it (vLLM's server keeps 180-194 of 256 running).
     assert max(outside_ms("variant", 256)) < 1400
-    running = {s: [lv["scheduler"]["running_mean"] for lv in _levels(res, s, 256)] for s in SIDES}
+    running = {s: [lv["scheduler"]["running_mean"] for lv in levels(res, s, 256)] for s in SIDES}
     assert running == {"triton": [61.1, 69.5, 68.3], "vllm": [180.0, 193.5, 193.5], "variant": [108.2, 107.6, 103.9]}
-    assert _median(res, "variant", "vllm", 256) == 0.97 and _median(res, "variant", "vllm", 256, "ttft") == 1.51
-    assert _median(res, "variant", "triton", 256) == 1.46 and _median(res, "variant", "triton", 16) == 0.94
+    assert median_ratio(res, "variant", "vllm", 256) == 0.97
+    assert median_ratio(res, "variant", "vllm", 256, "ttft") == 1.51
+    assert median_ratio(res, "variant", "triton", 256) == 1.46 and median_ratio(res, "variant", "triton", 16) == 0.94
     assert res["goal_met"] is False
 
 
@@ -131,7 +115,7 @@ def _bl(res: dict, side: str, c: int) -> list[dict]:
     return [sweep["levels"][BACKLOG_LEVELS.index(c)] for sweep in res["runs"][side]]
 
 
-def _bl_median(res: dict, path: str, base: str, c: int, key: str = "tps") -> float:
+def _blmedian_ratio(res: dict, path: str, base: str, c: int, key: str = "tps") -> float:
     pairs = zip(_bl(res, path, c), _bl(res, base, c), strict=True)
     if key == "tps":
         return round(statistics.median(a["output_tokens_per_s"] / b["output_tokens_per_s"] for a, b in pairs), 2)
@@ -156,18 +140,18 @@ def test_a_backlog_no_longer_keeps_requests_outside_the_engine(res: dict, backlo
 
     # One response thread at c=256: 2.1-2.9 s a request outside the engine before (run
     # "spawn"), 0.32-0.41 s now, and twice the engine's running batch.
-    assert min(outside_ms(_levels(res, "triton", 256))) > 2000
+    assert min(outside_ms(levels(res, "triton", 256))) > 2000
     assert max(outside_ms(_bl(backlog, "triton", 256))) < 410
     assert [lv["scheduler"]["running_mean"] for lv in _bl(backlog, "triton", 256)] == [106.0, 143.2, 114.2]
     assert max(outside_ms(_bl(backlog, "triton", 64))) < 55  # 54-94 ms before
     # Against vLLM's server: c=64 and c=256 now meet the throughput goal with one thread.
-    assert _bl_median(backlog, "triton", "vllm", 64) == 0.98
-    assert _bl_median(backlog, "triton", "vllm", 64, "ttft") == 0.9
-    assert _bl_median(backlog, "triton", "vllm", 256) == 1.09
+    assert _blmedian_ratio(backlog, "triton", "vllm", 64) == 0.98
+    assert _blmedian_ratio(backlog, "triton", "vllm", 64, "ttft") == 0.9
+    assert _blmedian_ratio(backlog, "triton", "vllm", 256) == 1.09
     # What is left: first tokens at c=256 (TTFT p50 1.49x) and a noisy c=16 (0.88x here,
     # 1.08x in run "spawn"), with the stub's engine-loop thread near 0.7 of a core at c=256.
-    assert _bl_median(backlog, "triton", "vllm", 256, "ttft") == 1.49
-    assert _bl_median(backlog, "triton", "vllm", 16) == 0.88
+    assert _blmedian_ratio(backlog, "triton", "vllm", 256, "ttft") == 1.49
+    assert _blmedian_ratio(backlog, "triton", "vllm", 16) == 0.88
     loop = [max(g["max_thread_cores"] for g in lv["threads"]["by_comm"] if g["comm"] == "lh-engine")
             for lv in _bl(backlog, "triton", 256)]
     assert min(loop) > 0.7

@@ -1,0 +1,36 @@
+"""Reading a recorded `scripts/gpu_speed.py` run (its result.json) in the unit tests
+that check what docs/performance.md states of it: per-level figures of each side and
+the per-round ratios between two sides."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def load(run: Path) -> dict[str, Any]:
+    return json.loads((run / "result.json").read_text())
+
+
+def levels(res: dict[str, Any], side: str, c: int) -> list[dict[str, Any]]:
+    """Concurrency C's level of SIDE, one per round."""
+    at = res["workload"]["concurrency"].index(c)
+    return [sweep["levels"][at] for sweep in res["runs"][side]]
+
+
+def _value(level: dict[str, Any], key: str) -> float:
+    return level["output_tokens_per_s"] if key == "tps" else level["ttft_s"]["p50"]
+
+
+def ratios(res: dict[str, Any], path: str, base: str, c: int, key: str = "tps") -> list[float]:
+    """PATH over BASE per round at concurrency C: tokens/s (key 'tps') or TTFT p50 ('ttft')."""
+    pairs = zip(levels(res, path, c), levels(res, base, c), strict=True)
+    return [round(_value(a, key) / _value(b, key), 2) for a, b in pairs]
+
+
+def median_ratio(res: dict[str, Any], path: str, base: str, c: int, key: str = "tps") -> float:
+    """The median of the unrounded per-round ratios, rounded as the docs give it."""
+    pairs = zip(levels(res, path, c), levels(res, base, c), strict=True)
+    return round(statistics.median(_value(a, key) / _value(b, key) for a, b in pairs), 2)
