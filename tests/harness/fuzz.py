@@ -80,6 +80,41 @@ bodies = st.one_of(valid_bodies, wild_bodies)
 LEAKS = ("Traceback", 'File "', "/site-packages/", "/usr/", "/opt/", "/tmp/", ".py")
 
 
+def sent_text(*values: Any) -> str:
+    """Every string a request carried, as an error may quote it back: each value's repr
+    and text, and the string keys and values inside any JSON among them (JSON text
+    within JSON too), unescaped: a parameter sent as "File \\"" comes back as 'File "'."""
+    out: list[str] = []
+
+    def walk(value: Any, depth: int = 0) -> None:
+        if depth > 8:
+            return
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        if isinstance(value, str):
+            out.append(value)
+            try:
+                parsed = json.loads(value)
+            except (ValueError, RecursionError):
+                return
+            if not isinstance(parsed, str) or parsed != value:
+                walk(parsed, depth + 1)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(k, depth + 1)
+                walk(v, depth + 1)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v, depth + 1)
+        else:
+            out.append(str(value))
+
+    for v in values:
+        out.append(repr(v))
+        walk(v)
+    return "\n".join(out)
+
+
 def assert_no_leak(text: str, request_text: str = "") -> None:
     for needle in LEAKS:
         assert needle not in text or needle in request_text, (needle, text[:500])
@@ -113,7 +148,7 @@ def fuzz_http_generate(server: Endpoint) -> dict[str, int]:
             body["stream"] = False  # /generate takes exactly one response; streams are fuzzed below
         sent = json.dumps(body)
         r = session.post(url, data=sent, timeout=60)
-        _check_answer(r.status_code, r.text, sent)
+        _check_answer(r.status_code, r.text, sent_text(sent, body))
         seen["ok" if r.status_code == 200 and "error" not in r.json() else "error"] += 1
 
     one()
@@ -144,9 +179,9 @@ def fuzz_http_generate_stream(server: Endpoint) -> int:
                 payload = json.loads(e[5:])
                 assert "text_output" in payload or isinstance(payload.get("error"), str)
                 if "error" in payload:
-                    assert_no_leak(payload["error"], sent)
+                    assert_no_leak(payload["error"], sent_text(sent, body))
         else:
-            assert_no_leak("\n".join(lines), sent)
+            assert_no_leak("\n".join(lines), sent_text(sent, body))
 
     one()
     assert_healthy(server)
@@ -179,8 +214,7 @@ def fuzz_grpc(server: Endpoint) -> dict[str, int]:
             result, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
             if error is not None:
                 assert len(str(error)) > 5
-                assert_no_leak(str(error), repr(text) + repr(params) + text.decode("utf-8", "replace")
-                               + params.decode("utf-8", "replace"))
+                assert_no_leak(str(error), sent_text(text, params))
                 counts["error"] += 1
                 return
             final = result.get_response().parameters.get("triton_final_response")

@@ -54,7 +54,8 @@ def _vars(c: Converged, path: Path, **extra: Any) -> Path:
 
 def _failed_msgs(out: str) -> str:
     """The `msg` of every failed task in ansible-playbook's output (one string)."""
-    return "\n".join(m.group(0) for m in re.finditer(r"fatal: \[.*?(?=\n\S|\Z)", out, re.S))
+    # YAML output folds a long msg over lines: compare with whitespace collapsed.
+    return " ".join(" ".join(m.group(0).split()) for m in re.finditer(r"fatal: \[.*?(?=\n\S|\Z)", out, re.S))
 
 
 # -- SIGKILL ---------------------------------------------------------------------------
@@ -389,7 +390,8 @@ def test_missing_local_weights_fail_before_anything_changes(converged: Converged
     r = run_playbook(converged.inventory, _vars(converged, tmp_path / "v.json", llmhost_models=[model]),
                      converged.host.pip_vars_file, str(playbook), "--tags", "preflight,install")
     assert r.returncode != 0
-    assert "the path of local model(s) nowhere does not exist" in _failed_msgs(r.stdout), r.stdout[-4000:]
+    assert "the path of local model(s) or LoRA adapter(s) nowhere does not exist" in _failed_msgs(r.stdout), \
+        r.stdout[-4000:]
 
 
 # -- staging: interrupted download, full disk --------------------------------------------
