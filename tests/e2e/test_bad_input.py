@@ -45,7 +45,9 @@ def _png_b64() -> str:
         ({"text_input": "x", "n": 64}, "'n' must be between 1 and 8"),
         ({"text_input": "x", "json_schema": "not a schema"}, "must be a JSON schema object"),
         # The tiny model is text only: a real picture is refused naming the input, as is bad base64.
-        ({"text_input": "<image> what is it", "image": [_png_b64()]}, "input 'image' needs a multimodal model"),
+        ({"text_input": "<image> what is it", "image": [_png_b64()]},
+         "input 'image' needs a multimodal model; this model takes text only (vLLM reports no multimodal "
+         "support for Qwen2ForCausalLM)"),
         ({"text_input": "x", "image": ["not base64!"]}, "input 'image'[0] is not valid base64"),
     ],
 )

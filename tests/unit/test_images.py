@@ -126,6 +126,7 @@ def _run(multimodal: bool) -> tuple[_Engine, _Sink]:
     engine = _Engine()
     runner._engine = engine
     runner._multimodal = multimodal
+    runner._architectures = ["Qwen2ForCausalLM"]
     runner._encoder = _Encoder()  # type: ignore[assignment]
 
     async def ids(job: Any) -> list[int]:
@@ -153,4 +154,4 @@ def test_a_text_model_refuses_images_naming_the_input():
     engine, sink = _run(multimodal=False)
     assert engine.prompts == []
     assert len(sink.errors) == 1 and "input 'image' needs a multimodal model" in sink.errors[0]
-    assert "/models/tiny" in sink.errors[0]
+    assert "this model takes text only (vLLM reports no multimodal support for Qwen2ForCausalLM)" in sink.errors[0]

@@ -186,6 +186,7 @@ class EngineRunner:
         self._stop: asyncio.Event | None = None
         self._encoder: PromptEncoder | None = None  # made on the engine loop at the first request
         self._multimodal = False  # vLLM's model config says the model takes images
+        self._architectures: list[str] = []  # the model's, as vLLM's model config names them
         self._limits: RequestLimits | None = None
         self._stop_server = stop_server or stop_tritonserver
         self._watch = EngineWatch()
@@ -269,6 +270,7 @@ class EngineRunner:
             self._tokenizer = self._engine.get_tokenizer()
             self._max_model_len = int(self._engine.model_config.max_model_len)
             self._multimodal = bool(getattr(self._engine.model_config, "is_multimodal_model", False))
+            self._architectures = [str(a) for a in getattr(self._engine.model_config, "architectures", None) or []]
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             failure.append(exc)
             if self._engine is not None:  # built, then something after failed: no EngineCore left behind
@@ -473,7 +475,7 @@ class EngineRunner:
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if job.images:
             if not self._multimodal:
-                raise no_images_here(str(self.config.engine_args.get("model", "")))
+                raise no_images_here(self._architectures)
             assert self._encoder is not None  # made by _prompt_ids
             prompt["multi_modal_data"] = {"image": await self._encoder.images(job.images)}
         return prompt, len(ids)

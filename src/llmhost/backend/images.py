@@ -81,6 +81,7 @@ def open_images(blobs: list[bytes]) -> list[Any]:
     return images
 
 
-def no_images_here(model: str) -> RequestError:
-    return RequestError(f"input '{IMAGE}' needs a multimodal model; '{model}' takes text only "
-                        "(vLLM reports no multimodal support for its architecture)")
+def no_images_here(architectures: list[str]) -> RequestError:
+    arch = ", ".join(architectures) or "its architecture"
+    return RequestError(f"input '{IMAGE}' needs a multimodal model; this model takes text only "
+                        f"(vLLM reports no multimodal support for {arch})")
