@@ -34,3 +34,19 @@ def median_ratio(res: dict[str, Any], path: str, base: str, c: int, key: str = "
     """The median of the unrounded per-round ratios, rounded as the docs give it."""
     pairs = zip(levels(res, path, c), levels(res, base, c), strict=True)
     return round(statistics.median(_value(a, key) / _value(b, key) for a, b in pairs), 2)
+
+
+def clean_levels(res: dict[str, Any], sides: tuple[str, ...], rounds: int) -> list[dict[str, Any]]:
+    """Every level of SIDES, after checking that each side ran ROUNDS rounds in order and
+    that each level ran error-free for at least the workload's duration, every request
+    making the workload's output tokens (ignore_eos)."""
+    w = res["workload"]
+    out = []
+    for side in sides:
+        assert [s["round"] for s in res["runs"][side]] == list(range(rounds)), side
+        for c in w["concurrency"]:
+            for lv in levels(res, side, c):
+                assert lv["errors"] == 0 and lv["requests"] > 0 and lv["duration_s"] >= w["duration_s"], (side, c)
+                assert abs(lv["output_tokens_per_s"] / lv["requests_per_s"] / w["output_tokens"] - 1) < 1e-6
+                out.append(lv)
+    return out

@@ -19,7 +19,7 @@ import pytest
 
 from llmhost.backend.config import BackendSettings
 from llmhost.gpucheck import speed as gpu_speed
-from tests.harness.gpu_runs import levels, load, median_ratio, ratios
+from tests.harness.gpu_runs import clean_levels, levels, load, median_ratio, ratios
 from tests.harness.paths import FIXTURES
 
 FINAL = FIXTURES / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-25-final"
@@ -61,13 +61,8 @@ def test_recorded_on_the_h100_every_level_complete_and_error_free(res: dict):
     assert (w["prompt_words"], w["output_tokens"], w["ignore_eos"]) == (64, 128, True)
     # The pair alternates which goes first; grouped is measured after it.
     assert res["order"] == [[*gpu_speed.order(r), "grouped"] for r in range(3)]
-    for side in SIDES:
-        assert [s["round"] for s in res["runs"][side]] == [0, 1, 2]
-        for c in LEVELS:
-            for lv in levels(res, side, c):
-                assert lv["errors"] == 0 and lv["requests"] > 0 and lv["duration_s"] >= 12.0
-                assert lv["output_tokens_per_s"] / lv["requests_per_s"] == pytest.approx(128, rel=1e-6)
-                assert lv["threads"]["samples"] >= 10 and lv["scheduler"]["samples"] >= 20
+    for lv in clean_levels(res, SIDES, rounds=3):
+        assert lv["threads"]["samples"] >= 10 and lv["scheduler"]["samples"] >= 20
     assert "done in 897.7 s; engine config equal on all sides: True" in (FINAL / "speed-stdout.log").read_text()
 
 

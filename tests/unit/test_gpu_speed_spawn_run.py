@@ -14,7 +14,7 @@ import statistics
 
 import pytest
 
-from tests.harness.gpu_runs import levels, median_ratio, ratios
+from tests.harness.gpu_runs import clean_levels, levels, median_ratio, ratios
 from tests.harness.paths import FIXTURES
 
 RUN = FIXTURES / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-25-spawn"
@@ -41,14 +41,9 @@ def test_recorded_on_the_h100_every_level_complete_and_error_free(res: dict):
     w = res["workload"]
     assert w["concurrency"] == LEVELS and w["duration_s"] == 12.0 and w["client_processes"] == 8
     assert (w["prompt_words"], w["output_tokens"], w["ignore_eos"]) == (64, 128, True)
-    for side in SIDES:
-        assert [s["round"] for s in res["runs"][side]] == [0, 1, 2]
-        for c in LEVELS:
-            for lv in levels(res, side, c):
-                assert lv["errors"] == 0 and lv["requests"] > 0 and lv["duration_s"] >= 12.0
-                assert lv["output_tokens_per_s"] / lv["requests_per_s"] == pytest.approx(128, rel=1e-6)
-                # Neither the client (busiest process under 0.12 of a core) nor the GPU was the limit.
-                assert lv["client_cpu_max_s"] / lv["duration_s"] < 0.12 and lv["samples"]["gpu_util_pct"] < 52
+    for lv in clean_levels(res, SIDES, rounds=3):
+        # Neither the client (busiest process under 0.12 of a core) nor the GPU was the limit.
+        assert lv["client_cpu_max_s"] / lv["duration_s"] < 0.12 and lv["samples"]["gpu_util_pct"] < 52
 
 
 def test_the_engine_started_the_way_vllms_server_starts_it(res: dict):
