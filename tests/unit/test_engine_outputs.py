@@ -5,31 +5,14 @@ completion, n > 1, streamed and not."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
 from llmhost.backend.config import parse_model_config
-from llmhost.backend.engine import Active, Chunk, EngineRunner
+from llmhost.backend.engine import EngineRunner
 from llmhost.backend.metrics import ServingMetrics
 from llmhost.backend.request import GenerateJob
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.chunks: list[Chunk] = []
-        self.errors: list[str] = []
-        self.active = None
-
-    def send(self, chunk: Chunk) -> None:
-        self.chunks.append(chunk)
-
-    def fail(self, message: str) -> None:
-        self.errors.append(message)
-
-    def cancelled(self) -> None:
-        self.errors.append("cancelled")
+from tests.unit._engine_fakes import Engine, Sink, generate
 
 
 def lp(value: float) -> SimpleNamespace:
@@ -42,26 +25,8 @@ def co(index: int, text: str, tokens: list[int], cumulative: float | None, reaso
                            finish_reason=reason, logprobs=logprobs)
 
 
-class Engine:
-    def __init__(self, outputs: list[SimpleNamespace]) -> None:
-        self.outputs = outputs
-
-    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
-        for out in self.outputs:
-            yield out
-
-
 def run(outputs: list[SimpleNamespace], job: GenerateJob, n: int) -> Sink:
-    runner = EngineRunner(parse_model_config({"model": "/m"}), ServingMetrics(), lambda m: None)
-    runner._engine = Engine(outputs)
-
-    async def ids(job: GenerateJob) -> list[int]:
-        return [7, 8, 9]
-
-    runner._prompt_ids = ids  # type: ignore[method-assign]
-    runner._sampling_params = lambda j, *a: SimpleNamespace(n=n)  # type: ignore[method-assign]
-    sink = Sink()
-    asyncio.run(runner._generate(Active("r1"), job, sink))
+    sink = generate(Engine(outputs), job, n)
     assert not sink.errors, sink.errors
     return sink
 

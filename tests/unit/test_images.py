@@ -4,9 +4,9 @@ a text-only model refuses them naming the input. Each bad input has its case."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -14,11 +14,10 @@ import pytest
 from PIL import Image
 
 from llmhost.backend import images
-from llmhost.backend.config import BackendSettings, parse_model_config
-from llmhost.backend.engine import Active, EngineRunner
+from llmhost.backend.config import BackendSettings
 from llmhost.backend.errors import RequestError
-from llmhost.backend.metrics import ServingMetrics
 from llmhost.backend.request import parse_request
+from tests.unit._engine_fakes import Engine, Sink, generate
 
 
 def png(width: int = 6, height: int = 4, color: tuple[int, int, int] = (200, 10, 10), mode: str = "RGB") -> bytes:
@@ -87,57 +86,19 @@ def test_parse_request_carries_the_images_and_none_by_default():
                       None, settings)
 
 
-class _Engine:
-    def __init__(self) -> None:
-        self.prompts: list[Any] = []
-
-    async def generate(self, prompt: Any, params: Any, request_id: str) -> Any:
-        from types import SimpleNamespace
-
-        self.prompts.append(prompt)
-        yield SimpleNamespace(outputs=[SimpleNamespace(index=0, text="ok", token_ids=[1], cumulative_logprob=None,
-                                                       finish_reason="length", logprobs=None)], finished=True)
-
-
 class _Encoder:
     async def images(self, blobs: list[bytes]) -> list[Any]:
         return images.open_images(blobs)
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.errors: list[str] = []
-        self.chunks: list[Any] = []
-
-    def send(self, chunk: Any) -> None:
-        self.chunks.append(chunk)
-
-    def fail(self, message: str) -> None:
-        self.errors.append(message)
-
-    def cancelled(self) -> None:
-        self.errors.append("cancelled")
-
-
-def _run(multimodal: bool) -> tuple[_Engine, _Sink]:
-    from types import SimpleNamespace
-
-    runner = EngineRunner(parse_model_config({"model": "/models/tiny"}), ServingMetrics(), lambda m: None)
-    engine = _Engine()
-    runner._engine = engine
-    runner._multimodal = multimodal
-    runner._architectures = ["Qwen2ForCausalLM"]
-    runner._encoder = _Encoder()  # type: ignore[assignment]
-
-    async def ids(job: Any) -> list[int]:
-        return [7, 8, 9]
-
-    runner._prompt_ids = ids  # type: ignore[method-assign]
-    runner._sampling_params = lambda j, *a: SimpleNamespace(n=1)  # type: ignore[method-assign]
+def _run(multimodal: bool) -> tuple[Engine, Sink]:
+    done = SimpleNamespace(index=0, text="ok", token_ids=[1], cumulative_logprob=None, finish_reason="length",
+                           logprobs=None)
+    engine = Engine([SimpleNamespace(outputs=[done], finished=True)])
     job = parse_request({"text_input": np.array([b"<image> what"], dtype=object),
                          "image": np.array([b64(png()), b64(png(2, 2))], dtype=object)}, None, BackendSettings())
-    sink = _Sink()
-    asyncio.run(runner._generate(Active("r1"), job, sink))
+    sink = generate(engine, job, model="/models/tiny", _multimodal=multimodal, _architectures=["Qwen2ForCausalLM"],
+                    _encoder=_Encoder())
     return engine, sink
 
 
