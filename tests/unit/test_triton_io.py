@@ -329,21 +329,28 @@ class _SnapshotSender(Sender):
         super().send(response, flags)
 
 
-@pytest.mark.parametrize("ends_with_error", [False, True])
-def test_metrics_reach_triton_before_the_final_response(fake_pb: None, ends_with_error: bool) -> None:
-    """A client that reads /metrics right after its final response (or error) finds
-    its tokens counted: the push happens before the send, not at the next interval
-    (60 s here)."""
+def _first_step_counted(fresh: bool) -> tuple[Any, Any, _SnapshotSender, _Exporter]:
+    """A stream's first response sent, then vLLM's statistics of 7 output tokens
+    recorded (not pushed yet: the periodic push comes every 60 s here)."""
     from llmhost.backend.model import _TritonSink
 
     metrics, exporter = ServingMetrics(), _Exporter()
-    io = make_io(window_s=0.0, metrics=metrics, exporter=exporter)
+    io = make_io(window_s=0.0, metrics=metrics, exporter=exporter, fresh=fresh)
     sender = _SnapshotSender(exporter)
     sink = _TritonSink(io, sender, frozenset())
     sink.send(chunk("a", 1))
     assert sender.wait_for("a")
     metrics.record_iteration(prompt_tokens=5, generation_tokens=7, ttfts=[0.1], itls=[0.01], preempted=0,
                              finished=[], n_params=[2])
+    return io, sink, sender, exporter
+
+
+@pytest.mark.parametrize("ends_with_error", [False, True])
+def test_metrics_reach_triton_before_the_final_response(fake_pb: None, ends_with_error: bool) -> None:
+    """A client that reads /metrics right after its final response (or error) finds
+    its tokens counted: the push happens before the send, not at the next interval
+    (60 s here)."""
+    io, sink, sender, exporter = _first_step_counted(fresh=True)
     if ends_with_error:
         sink.fail("boom")
         assert sender.wait_for("aboom")
@@ -358,16 +365,7 @@ def test_metrics_reach_triton_before_the_final_response(fake_pb: None, ends_with
 def test_without_fresh_metrics_a_final_response_does_not_push(fake_pb: None) -> None:
     """fresh_metrics false: the final response leaves without a push (the periodic
     push, 60 s here, has not come); stopping the I/O thread pushes what is left."""
-    from llmhost.backend.model import _TritonSink
-
-    metrics, exporter = ServingMetrics(), _Exporter()
-    io = make_io(window_s=0.0, metrics=metrics, exporter=exporter, fresh=False)
-    sender = _SnapshotSender(exporter)
-    sink = _TritonSink(io, sender, frozenset())
-    sink.send(chunk("a", 1))
-    assert sender.wait_for("a")
-    metrics.record_iteration(prompt_tokens=5, generation_tokens=7, ttfts=[0.1], itls=[0.01], preempted=0,
-                             finished=[], n_params=[2])
+    io, sink, sender, exporter = _first_step_counted(fresh=False)
     sink.send(chunk("b", 2, final=True))
     assert sender.wait_for("ab")
     assert sender.tokens_seen[-1] == 0
