@@ -116,3 +116,9 @@ def test_a_text_model_refuses_images_naming_the_input():
     assert engine.prompts == []
     assert len(sink.errors) == 1 and "input 'image' needs a multimodal model" in sink.errors[0]
     assert "this model takes text only (vLLM reports no multimodal support for Qwen2ForCausalLM)" in sink.errors[0]
+
+
+def test_pillows_own_bomb_bound_is_a_request_error(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5)  # 6x4 is past twice that: Pillow raises while opening
+    with pytest.raises(RequestError, match=r"'image'\[0\] decodes to too many pixels \(Pillow's bound\)"):
+        images.open_images([png(6, 4)])

@@ -13,15 +13,14 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import warnings
 from typing import Any
 
 from llmhost.backend.errors import RequestError
 
 IMAGE = "image"
 # At most this many images in one request, each at most MAX_IMAGE_BYTES once
-# base64-decoded, and at most MAX_IMAGE_PIXELS pixels once opened (Pillow's own
-# decompression-bomb bound is a warning up to twice its limit).
+# base64-decoded, and at most MAX_IMAGE_PIXELS pixels (below Pillow's own
+# decompression-bomb bounds; Pillow raises past twice its limit while opening).
 MAX_IMAGES = 16
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
@@ -63,17 +62,18 @@ def open_images(blobs: list[bytes]) -> list[Any]:
     images = []
     for i, raw in enumerate(blobs):
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                img = Image.open(io.BytesIO(raw))
-                width, height = img.size
-                if width * height > MAX_IMAGE_PIXELS:
-                    raise RequestError(f"input '{IMAGE}'[{i}] is {width}x{height} pixels; at most "
-                                       f"{MAX_IMAGE_PIXELS} pixels are allowed")
-                images.append(img.convert("RGB"))
+            # Image.open reads only the header: the size is checked before any pixel
+            # is decoded. (No warnings filter here: it is process-wide state, and this
+            # runs on several pool threads at once.)
+            img = Image.open(io.BytesIO(raw))
+            width, height = img.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise RequestError(f"input '{IMAGE}'[{i}] is {width}x{height} pixels; at most "
+                                   f"{MAX_IMAGE_PIXELS} pixels are allowed")
+            images.append(img.convert("RGB"))
         except RequestError:
             raise
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        except Image.DecompressionBombError:
             raise RequestError(f"input '{IMAGE}'[{i}] decodes to too many pixels (Pillow's bound)") from None
         except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for a bad file
             raise RequestError(f"input '{IMAGE}'[{i}] is not an image Pillow can read: "
