@@ -104,7 +104,9 @@ def _check_positions(positions: list[dict[str, Any]], k: int) -> str:
     """Each position: the sampled token and the top K, as vllm_backend's JSON; returns the rank-1 text."""
     text = ""
     for pos in positions:
-        assert 1 <= len(pos) <= k + 1
+        # vLLM gives the top K and the sampled token: K entries when the sampled token is
+        # among them, K + 1 when not.
+        assert k <= len(pos) <= k + 1, pos
         ranks = sorted(entry["rank"] for entry in pos.values())
         assert ranks[0] == 1 and all(isinstance(t, str) and t.isdigit() for t in pos)
         for entry in pos.values():
