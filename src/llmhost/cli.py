@@ -1,4 +1,4 @@
-"""The `llmhost` command: tiny-model, serve, smoke, bench, gateway."""
+"""The `llmhost` command: tiny-model, tiny-vision-model, tiny-lora, serve, smoke, bench, gateway."""
 
 from __future__ import annotations
 
@@ -29,18 +29,20 @@ def _port(text: str) -> int:
     return value
 
 
+# `llmhost <command> DIR`: (module, function, what it writes); generated, nothing downloaded.
+TINY = {
+    "tiny-model": ("llmhost.tiny_model", "write_tiny_model", "tiny model"),
+    "tiny-vision-model": ("llmhost.tiny_vision_model", "write_tiny_vision_model", "tiny vision model"),
+    "tiny-lora": ("llmhost.tiny_lora", "write_tiny_lora", "tiny LoRA adapter"),
+}
+
+
 def _write_tiny(command: str, out: Path, seed: int) -> int:
-    """`llmhost tiny-model` and `llmhost tiny-lora`: generated, nothing downloaded."""
-    if command == "tiny-model":
-        from llmhost.tiny_model import write_tiny_model as write
+    import importlib
 
-        what = "tiny model"
-    else:
-        from llmhost.tiny_lora import write_tiny_lora as write
-
-        what = "tiny LoRA adapter"
+    module, func, what = TINY[command]
     try:
-        path = write(out, seed=seed)
+        path = getattr(importlib.import_module(module), func)(out, seed=seed)
     except ValueError as exc:
         print(f"llmhost {command}: {exc}", file=sys.stderr)
         return 2
@@ -55,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny-model", help="write a tiny random Qwen2-style model (no downloads)")
     t.add_argument("dir", type=Path)
     t.add_argument("--seed", type=int, default=0)
+
+    v = sub.add_parser("tiny-vision-model",
+                       help="write a tiny random BLIP-2 model that takes an image (no downloads)")
+    v.add_argument("dir", type=Path)
+    v.add_argument("--seed", type=int, default=0)
 
     a = sub.add_parser("tiny-lora", help="write a tiny LoRA adapter for the tiny model (no downloads)")
     a.add_argument("dir", type=Path)
@@ -248,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return gateway_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command in ("tiny-model", "tiny-lora"):
+    if args.command in TINY:
         return _write_tiny(args.command, args.dir, args.seed)
     if args.command == "serve":
         from llmhost.admin_key import AdminKeyError

@@ -59,12 +59,7 @@ def write_tiny_lora(out: str | os.PathLike[str], seed: int = 1, base_model: str 
     import torch
     from safetensors.torch import save_file
 
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not (path / MARKER).exists():
-        raise ValueError(f"{path} is not empty and holds no tiny adapter made by llmhost; refusing to overwrite it")
-    path.mkdir(parents=True, exist_ok=True)
+    path = tiny_model.prepare_dir(out, MARKER, "tiny adapter")
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(LAYERS):
@@ -76,6 +71,5 @@ def write_tiny_lora(out: str | os.PathLike[str], seed: int = 1, base_model: str 
     (path / "adapter_config.json").write_text(json.dumps(adapter_config(base_model), indent=2) + "\n")
     (path / MARKER).write_text(json.dumps({"seed": seed, "base": "llmhost tiny model",
                                            "vocab_size": tiny_model.VOCAB_SIZE}) + "\n")
-    for f in path.iterdir():
-        f.chmod(0o644)  # safetensors writes 0600; the serving user must read it
+    tiny_model.readable(path)
     return path

@@ -33,7 +33,8 @@ def _corpus_files(limit: int = 400) -> list[str]:
     return files[:limit]
 
 
-def _train_tokenizer(out: Path) -> None:
+def train_tokenizer(out: Path) -> None:
+    """Train the byte-level BPE tokenizer (ChatML template) and save it to ``out``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,19 +84,33 @@ def _write_model(out: Path, seed: int, eos_id: int, pad_id: int) -> None:
     GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(str(out))
 
 
+def prepare_dir(out: str | os.PathLike[str], marker: str, what: str) -> Path:
+    """``out`` made ready to write into: created, or empty, or holding MARKER (so
+    something llmhost wrote before). Anything else is refused, untouched."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not (path / marker).exists():
+        raise ValueError(f"{path} is not empty and holds no {what} made by llmhost; refusing to overwrite it")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def readable(path: Path) -> None:
+    """Every file of PATH readable by all: safetensors writes 0600, and the serving
+    user must be able to read the weights."""
+    for f in path.iterdir():
+        f.chmod(0o644)
+
+
 def write_tiny_model(out: str | os.PathLike[str], seed: int = 0) -> Path:
     """Write the tiny model to ``out`` and return its path.
 
     Deterministic for a seed: the same seed gives byte-identical weights.
     Refuses to write into a non-empty directory that is not a tiny model it made.
     """
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not (path / MARKER).exists():
-        raise ValueError(f"{path} is not empty and holds no tiny model made by llmhost; refusing to overwrite it")
-    path.mkdir(parents=True, exist_ok=True)
-    _train_tokenizer(path)
+    path = prepare_dir(out, MARKER, "tiny model")
+    train_tokenizer(path)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -103,7 +118,5 @@ def write_tiny_model(out: str | os.PathLike[str], seed: int = 0) -> Path:
     pad_id = tok.convert_tokens_to_ids("<|endoftext|>")
     _write_model(path, seed, eos_id, pad_id)
     (path / MARKER).write_text(json.dumps({"seed": seed, "vocab_size": VOCAB_SIZE}) + "\n")
-    for f in path.iterdir():
-        # safetensors writes 0600; the serving user must be able to read the weights.
-        f.chmod(0o644)
+    readable(path)
     return path

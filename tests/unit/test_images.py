@@ -94,7 +94,8 @@ class _Encoder:
 def _run(multimodal: bool) -> tuple[Engine, Sink]:
     done = SimpleNamespace(index=0, text="ok", token_ids=[1], cumulative_logprob=None, finish_reason="length",
                            logprobs=None)
-    engine = Engine([SimpleNamespace(outputs=[done], finished=True)])
+    # The engine's prompt: PROMPT_IDS with each <image> expanded to the model's image tokens.
+    engine = Engine([SimpleNamespace(outputs=[done], finished=True, prompt_token_ids=[5] * 16 + [7, 8, 9])])
     job = parse_request({"text_input": np.array([b"<image> what"], dtype=object),
                          "image": np.array([b64(png()), b64(png(2, 2))], dtype=object)}, None, BackendSettings())
     sink = generate(engine, job, model="/models/tiny", _multimodal=multimodal, _architectures=["Qwen2ForCausalLM"],
@@ -108,7 +109,8 @@ def test_a_multimodal_model_gets_the_pictures_as_multi_modal_data():
     (prompt,) = engine.prompts
     assert prompt["prompt_token_ids"] == [7, 8, 9]
     assert [im.size for im in prompt["multi_modal_data"]["image"]] == [(6, 4), (2, 2)]
-    assert sink.chunks[-1].num_input_tokens == 3
+    # num_input_tokens counts the prompt as the engine does: image tokens included.
+    assert sink.chunks[-1].num_input_tokens == 19
 
 
 def test_a_text_model_refuses_images_naming_the_input():

@@ -548,6 +548,12 @@ class EngineRunner:
             lora = ({"lora_request": lora_request(find_adapter(job.lora_name, self.config.adapters))}
                     if job.lora_name is not None else {})
             async for out in self._engine.generate(prompt, params, active.request_id, **lora):
+                # The prompt as the engine counts it: a multimodal model's image
+                # placeholders are expanded there (vLLM's server counts them as prompt
+                # tokens in its usage too).
+                engine_prompt = getattr(out, "prompt_token_ids", None)
+                if engine_prompt:
+                    prompt_len = len(engine_prompt)
                 # A stream's outputs are deltas (DELTA), one response each; else vLLM
                 # gives the whole request once (FINAL_ONLY), kept until it finished. A
                 # completion absent from an output made no progress in it.
