@@ -257,6 +257,26 @@ def test_completion_chunks_without_usage_and_with_n2():
     assert events[0]["object"] == "text_completion"
 
 
+@pytest.mark.parametrize("chat", [True, False])
+def test_chunks_are_compact_json_even_with_a_model_name_that_looks_like_json(chat):
+    # Each chunk's envelope is encoded once per request: its bytes must still be
+    # exactly json.dumps of the whole chunk, whatever the strings hold.
+    body: dict[str, Any] = {"model": 'm","choices":[]', "stream": True, "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "p"})
+    req = _map(json.dumps(body).encode(), chat=chat)
+
+    async def run() -> list[bytes]:
+        pieces = [Piece(['a"\u00e9\n'], ["None"], 2, [1], False), Piece(["b"], ["length"], 2, [1], True)]
+        return [c async for c in stream_chunks(req, pieces[0], _pieces(*pieces[1:]), "id1")]
+
+    chunks = asyncio.run(run())
+    assert chunks[-1] == b"data: [DONE]\n\n" and len(chunks) == (5 if chat else 4)
+    for data in chunks[:-1]:
+        event = json.loads(data[len(b"data: "):])
+        assert data == b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+        assert event["model"] == 'm","choices":[]' and "usage" in event
+
+
 def test_a_completions_new_tokens_get_a_chunk_before_their_text_decodes():
     # The first token is half of a UTF-8 character: no text yet, one token more.
     req = _map(json.dumps({"model": "m", "prompt": "p", "stream": True}).encode(), chat=False)

@@ -20,8 +20,21 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
+# One encoder for every event: json.dumps with separators builds a new one per call.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _encode(obj).encode() + b"\n\n"
+
+
+def _envelope(empty_chunk: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The SSE bytes of EMPTY_CHUNK (a chunk with no choices) before and after its
+    choices: a request's chunks differ only in their choices, so the rest is encoded
+    once per request, not once per token. (`"choices":[]` cannot occur inside an
+    encoded string, whose quotes are escaped.)"""
+    head, tail = _encode(empty_chunk).split('"choices":[]')
+    return b"data: " + head.encode() + b'"choices":', tail.encode() + b"\n\n"
 
 
 # The backend's finish_reason for a completion still running (vllm_backend's str(None)).
@@ -98,6 +111,7 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
     An upstream error after the first chunk is sent as a ``data: {"error": ...}`` event."""
     created = int(time.time())
     acc = Accumulator(req.n)
+    head, tail = _envelope(chunk(req, rid, created, []))
     if req.chat:
         yield sse(chunk(req, rid, created, [_choice(req, i, "", None, role=True) for i in range(req.n)]))
     try:
@@ -121,7 +135,7 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
                 if text or reason or grew:
                     choices.append(_choice(req, i, text if text or not req.chat else None, reason))
             if choices:
-                yield sse(chunk(req, rid, created, choices))
+                yield head + _encode(choices).encode() + tail
     except ApiError as exc:
         yield sse(exc.body())
         yield DONE

@@ -89,21 +89,24 @@ def _decode_bytes(raw: bytes) -> list[str]:
     return out
 
 
-_NUMERIC = {"UINT8": "B", "UINT16": "H", "UINT32": "I", "UINT64": "Q", "INT8": "b", "INT16": "h", "INT32": "i",
-            "INT64": "q", "FP32": "f", "FP64": "d"}
+# One element of each numeric datatype (little-endian, as Triton sends raw contents).
+_NUMERIC = {name: struct.Struct("<" + code) for name, code in (
+    ("UINT8", "B"), ("UINT16", "H"), ("UINT32", "I"), ("UINT64", "Q"), ("INT8", "b"), ("INT16", "h"),
+    ("INT32", "i"), ("INT64", "q"), ("FP32", "f"), ("FP64", "d"))}
 
 
 def decode_outputs(resp: Any) -> dict[str, list[Any]]:
     """A ModelInferResponse's outputs by name, each a flat list (BYTES as text)."""
     values: dict[str, list[Any]] = {}
     for out, raw in zip(resp.outputs, resp.raw_output_contents, strict=False):
-        if out.datatype == "BYTES":
+        # Read each protobuf field once: every access builds a new Python object.
+        datatype = out.datatype
+        if datatype == "BYTES":
             values[out.name] = _decode_bytes(raw)
-        elif out.datatype == "BOOL":
+        elif datatype == "BOOL":
             values[out.name] = [b != 0 for b in raw]
-        elif out.datatype in _NUMERIC:
-            fmt = _NUMERIC[out.datatype]
-            values[out.name] = list(struct.unpack(f"<{len(raw) // struct.calcsize(fmt)}{fmt}", raw))
+        elif (element := _NUMERIC.get(datatype)) is not None:
+            values[out.name] = [v for (v,) in element.iter_unpack(raw)]
     return values
 
 
