@@ -109,6 +109,12 @@ def wrapped(cause: BaseException) -> EngineGenerateError:
         (wrapped(ValueError("Regex compilation timed out after 30s")), INVALID_REQUEST, "timed out"),
         (wrapped(RuntimeError("CUDA error: an illegal memory access")), ENGINE_ERROR,
          "engine error: EngineGenerateError"),
+        # LLaVA given two pictures and one <image> (seen on the H100, 2026-11-25): the client's.
+        (wrapped(AssertionError("Failed to apply prompt replacement for mm_items['image'][1]")), INVALID_REQUEST,
+         "fewer of the model's image placeholders (e.g. <image>) than the request has images"),
+        # Any other assertion of vLLM's stays the server's.
+        (wrapped(AssertionError("num_computed_tokens went negative")), ENGINE_ERROR,
+         "engine error: EngineGenerateError"),
         (EngineDeadError("EngineCore encountered an issue"), ENGINE_ERROR, "engine error: EngineDeadError"),
         (RuntimeError("boom"), ENGINE_ERROR, "engine error: RuntimeError: boom"),
         (GracefulHTTPError("queue full", 503), ENGINE_ERROR, "queue full"),

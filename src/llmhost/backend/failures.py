@@ -5,7 +5,9 @@ Client errors (our validation's ``RequestError``, and vLLM's own validation: its
 vLLM's OpenAI server also answers with 400) count as ``invalid_request``; every
 other failure is the server's and counts as ``engine_error``, the only reason the
 error-ratio alert pages on. vLLM wraps an unexpected exception raised while it
-takes a request in EngineGenerateError; the exception it wraps decides.
+takes a request in EngineGenerateError; the exception it wraps decides. One
+assertion of vLLM's is the client's too: its multimodal processor's failure to place
+a picture, when the prompt holds fewer image placeholders than images.
 
 Classes are matched by name, so this module needs no vLLM import (unit tests).
 """
@@ -18,6 +20,10 @@ INVALID_REQUEST = "invalid_request"
 ENGINE_ERROR = "engine_error"
 _CLIENT_BASES = {"VLLMClientError"}
 _BARE_CLIENT = (ValueError, TypeError, OverflowError)
+# vLLM's AssertionError when a multimodal item finds no placeholder in the prompt
+# (e.g. LLaVA given two pictures and one "<image>"): "Failed to apply prompt
+# replacement for mm_items['image'][1]".
+_UNPLACED_ITEM = "Failed to apply prompt replacement for mm_items"
 
 
 def _names(exc: BaseException) -> set[str]:
@@ -44,5 +50,9 @@ def classify(exc: BaseException) -> tuple[str, str]:
         cause = exc.__cause__
     if _is_client(cause):
         return INVALID_REQUEST, safe_message(f"invalid request: {cause}")
+    if isinstance(cause, AssertionError) and str(cause).startswith(_UNPLACED_ITEM):
+        return INVALID_REQUEST, safe_message(
+            "invalid request: the prompt holds fewer of the model's image placeholders (e.g. <image>) than the "
+            f"request has images; give each image its placeholder (vLLM: {cause})")
     detail = str(exc).strip()
     return ENGINE_ERROR, safe_message(f"engine error: {type(exc).__name__}" + (f": {detail}" if detail else ""))
