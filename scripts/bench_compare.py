@@ -235,7 +235,9 @@ def main() -> int:
             "streaming": {"triton": "HTTP SSE from the backend, one response per engine step unless "
                                     "stream_interval_ms (llmhost_settings) groups them",
                           "gateway": "OpenAI SSE, one chunk per backend response (grouped the same way)",
-                          "vllm": "OpenAI SSE, one event per engine step"}}
+                          "vllm": "OpenAI SSE, one event per engine step",
+                          "merged": "vLLM's output collector merges a request's steps when its reader falls "
+                                    "behind, on every path: each level's tokens_per_event says how it went"}}
     record: dict[str, object] = {"meta": meta, "stalls_s": stalls, "cpu_s": cpu,
                                  "runs": {k: [[r.__dict__ for r in rs] for rs in v] for k, v in runs.items()}}
     if "gateway" in runs:

@@ -58,6 +58,9 @@ class Sample:
     e2e: float = 0.0
     tokens: int = 0
     error: str = ""
+    # Streamed events that carried output (SSE events, gRPC responses): with `tokens`,
+    # how the server streamed (one token an event, or several grouped or merged).
+    events: int = 0
 
     @property
     def itl(self) -> float | None:
@@ -84,6 +87,9 @@ class LevelResult:
     client_cpu_max_s: float = 0.0
     # When the level started (seconds since the epoch), to line it up with other samples.
     started_at: float = 0.0
+    # Output tokens per streamed event over the level's good requests: 1.0 is one event a
+    # token; more is grouped (a stream interval) or merged (a server that fell behind).
+    tokens_per_event: float = 0.0
 
 
 @dataclass
@@ -162,7 +168,7 @@ class Target:
             body = {"text_input": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": ignore_eos,
                     "temperature": 1.0, "return_num_output_tokens": True}
         ttft = 0.0
-        tokens = 0
+        tokens = events = 0
         async with self._session.post(url, json=body) as resp:
             if resp.status != 200:
                 return Sample(ok=False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
@@ -182,11 +188,13 @@ class Target:
                     usage = event.get("usage")
                     if usage:
                         tokens = int(usage["completion_tokens"])
+                    events += bool(event.get("choices"))  # the usage-only chunk carries no output
                 else:
                     counts = event.get("num_output_tokens")  # this response's own tokens
                     if counts is not None:
                         tokens += int(counts if isinstance(counts, int) else sum(counts))
-        return Sample(ok=tokens > 0, ttft=ttft, e2e=time.perf_counter() - t0, tokens=tokens,
+                    events += 1
+        return Sample(ok=tokens > 0, ttft=ttft, e2e=time.perf_counter() - t0, tokens=tokens, events=events,
                       error="" if tokens > 0 else "server reported no output tokens")
 
     async def _grpc_one(self, t0: float, prompt: str, max_tokens: int, ignore_eos: bool) -> Sample:
@@ -209,7 +217,7 @@ class Target:
                    "parameters": {"max_tokens": max_tokens, "ignore_eos": ignore_eos, "temperature": 1.0}}
 
         ttft = 0.0
-        tokens = 0
+        tokens = events = 0
         async for result, error in self._grpc.stream_infer(requests_iter()):
             if error is not None:
                 return Sample(ok=False, error=str(error)[:300])
@@ -218,7 +226,8 @@ class Target:
             counts = result.as_numpy("num_output_tokens")  # this response's own tokens
             if counts is not None:
                 tokens += int(counts.sum())
-        return Sample(ok=tokens > 0, ttft=ttft, e2e=time.perf_counter() - t0, tokens=tokens)
+                events += 1
+        return Sample(ok=tokens > 0, ttft=ttft, e2e=time.perf_counter() - t0, tokens=tokens, events=events)
 
 
 async def run_part(target: Target, workload: Workload, concurrency: int, progress: bool = True) -> LevelPart:
@@ -273,6 +282,7 @@ def merge_parts(concurrency: int, parts: list[LevelPart]) -> LevelResult:
         n = sum(s.tokens for s in ok) if what == "tokens" else len(ok)
         return n / p.elapsed_s if p.elapsed_s > 0 else 0.0
 
+    events = sum(s.events for s in good)
     return LevelResult(
         concurrency=concurrency,
         requests=len(samples),
@@ -288,6 +298,7 @@ def merge_parts(concurrency: int, parts: list[LevelPart]) -> LevelResult:
         client_processes=len(parts),
         client_cpu_max_s=round(max((p.cpu_s for p in parts), default=0.0), 3),
         started_at=min((p.started_at for p in parts), default=0.0),
+        tokens_per_event=round(sum(s.tokens for s in good) / events, 2) if events else 0.0,
     )
 
 
@@ -421,7 +432,8 @@ async def _client(index: int, processes: int, spec: dict[str, Any], workload: Wo
 
 def table(results: list[LevelResult]) -> str:
     head = (f"{'conc':>4} {'reqs':>5} {'err':>4} {'req/s':>7} {'out tok/s':>10} "
-            f"{'TTFT p50':>9} {'p95':>7} {'p99':>7} {'ITL p50':>8} {'p95':>7} {'E2E p50':>8} {'p95':>7} {'p99':>7}")
+            f"{'TTFT p50':>9} {'p95':>7} {'p99':>7} {'ITL p50':>8} {'p95':>7} {'E2E p50':>8} {'p95':>7} {'p99':>7} "
+            f"{'tok/event':>9}")
     rows = [head]
     for r in results:
         def ms(d: dict[str, float], k: str) -> str:
@@ -431,7 +443,7 @@ def table(results: list[LevelResult]) -> str:
             f"{r.concurrency:>4} {r.requests:>5} {r.errors:>4} {r.requests_per_s:>7.2f} {r.output_tokens_per_s:>10.1f} "
             f"{ms(r.ttft_s, 'p50'):>9} {ms(r.ttft_s, 'p95'):>7} {ms(r.ttft_s, 'p99'):>7} "
             f"{ms(r.itl_s, 'p50'):>8} {ms(r.itl_s, 'p95'):>7} "
-            f"{ms(r.e2e_s, 'p50'):>8} {ms(r.e2e_s, 'p95'):>7} {ms(r.e2e_s, 'p99'):>7}"
+            f"{ms(r.e2e_s, 'p50'):>8} {ms(r.e2e_s, 'p95'):>7} {ms(r.e2e_s, 'p99'):>7} {r.tokens_per_event:>9.2f}"
         )
     errors = [f"c={r.concurrency}: {r.first_error}" for r in results if r.first_error]
     if errors:

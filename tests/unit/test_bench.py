@@ -100,6 +100,17 @@ def test_merged_parts_sum_rates_and_take_percentiles_over_all_samples():
     assert r.e2e_s["p50"] == pytest.approx(2.0)
 
 
+def test_tokens_per_event_tells_how_the_server_streamed():
+    per_token = [Sample(ok=True, ttft=0.1, e2e=1.0, tokens=8, events=8)] * 2
+    grouped = [Sample(ok=True, ttft=0.1, e2e=1.0, tokens=8, events=2), Sample(ok=True, ttft=0.1, e2e=1.0, tokens=4,
+                                                                             events=2)]
+    failed = [Sample(ok=False, error="boom", events=3)]  # a failed request's events count for nothing
+    assert merge_parts(2, [LevelPart(2, per_token + failed, elapsed_s=1.0, cpu_s=0.1)]).tokens_per_event == 1.0
+    assert merge_parts(2, [LevelPart(2, grouped, elapsed_s=1.0, cpu_s=0.1)]).tokens_per_event == 3.0
+    assert merge_parts(1, [LevelPart(1, failed, elapsed_s=1.0, cpu_s=0.1)]).tokens_per_event == 0.0
+    assert "tok/event" in table([merge_parts(2, [LevelPart(2, grouped, elapsed_s=1.0, cpu_s=0.1)])])
+
+
 def test_one_part_is_the_single_process_result():
     r = merge_parts(4, [_part(4, [10, 20], elapsed=0.5, cpu=0.1)])
     assert r.output_tokens_per_s == pytest.approx(60.0) and r.client_processes == 1 and r.requests == 2
@@ -179,3 +190,5 @@ def test_two_client_processes_against_a_fake_server(tmp_path):
     assert (one["requests"], one["errors"], one["client_processes"]) == (6, 0, 1)  # c=1: one process works
     assert (three["requests"], three["errors"], three["client_processes"]) == (6, 0, 2)
     assert three["output_tokens_per_s"] > 0 and 0 < three["client_cpu_max_s"] <= three["client_cpu_s"]
+    # 3 events of one token each (the fake server's counts: None, None, 3).
+    assert one["tokens_per_event"] == three["tokens_per_event"] == 1.0
