@@ -17,9 +17,13 @@ concurrency level):
 
 * `uvloop` (with --uvloop): the `triton` server with the engine thread's loop on uvloop
   (LLMHOST_EVENT_LOOP=uvloop);
-* `variant` (with --variant KEY=VALUE ...): the `triton` server with those backend settings.
+* `variant` (with --variant KEY=VALUE ...): the `triton` server with those backend settings;
+* `gateway` (with --gateway, --servers together): `llmhost gateway` in front of the `triton`
+  side's server (its gRPC port), an API key from a keys file, through `/v1/completions`
+  (`--kind openai --api-key-file`): issue 13's path, measured against `triton` and `vllm`
+  (bench_compare.GOALS); its CPU seconds are recorded per measurement like the servers'.
 
-Each round measures `triton` and `vllm` (and `uvloop`, `variant`), rotating which goes
+Each round measures `triton` and `vllm` (and `uvloop`, `variant`, `gateway`), rotating which goes
 first, then `grouped`.
 --servers apart starts each server before its measurement and stops it after (a
 start costs 1-2 minutes of CUDA graphs and torch.compile); --servers together (the
@@ -35,8 +39,8 @@ token counter, Triton's queue counters: gauge_level).
 Usage: python3 scripts/gpu_speed.py OUT_DIR [--rounds 3] [--duration 12] [--processes 8]
 Writes OUT_DIR/result.json (every sweep's levels, server CPU, GPU and CPU samples per
 level, the engine config both sides logged, and the medians of the per-round ratios
-against issue 14's goal), speed.log, the servers' log tails (serve-triton.log,
-serve-grouped.log, vllm-server.log), gpu-samples.csv and nvidia-smi.txt: few files,
+against issue 14's goal and issue 13's), speed.log, the servers' log tails (serve-triton.log,
+serve-grouped.log, vllm-server.log, gateway.log), gpu-samples.csv and nvidia-smi.txt: few files,
 as the lent GPU machine returns at most 8. The H100 runs are in
 tests/fixtures/gpu/h100-580.159.04-real/device-run-2026-11-24-speed2/ (its unit test:
 tests/unit/test_gpu_speed_run.py) and device-run-2026-11-25-{apart,variants}/
@@ -62,18 +66,24 @@ from typing import Any
 from llmhost.gpucheck.model import make_in_child
 
 NAME = "llm"
-SIDES = ("triton", "vllm", "grouped", "uvloop", "variant")
-PORTS = {"triton": 18600, "grouped": 18610, "vllm": 18620, "uvloop": 18630, "variant": 18640}
+SIDES = ("triton", "vllm", "grouped", "uvloop", "variant", "gateway")
+PORTS = {"triton": 18600, "grouped": 18610, "vllm": 18620, "uvloop": 18630, "variant": 18640, "gateway": 18650}
 LOGS = {"triton": "serve-triton.log", "grouped": "serve-grouped.log", "vllm": "vllm-server.log",
-        "uvloop": "serve-uvloop.log", "variant": "serve-variant.log"}
-KINDS = {"triton": "http", "grouped": "http", "vllm": "openai", "uvloop": "http", "variant": "http"}
+        "uvloop": "serve-uvloop.log", "variant": "serve-variant.log", "gateway": "gateway.log"}
+KINDS = {"triton": "http", "grouped": "http", "vllm": "openai", "uvloop": "http", "variant": "http",
+         "gateway": "openai"}
 STREAMING = {
     "triton": "Triton HTTP SSE (/generate_stream), stream_interval_ms=0: one response per engine step",
     "grouped": "Triton HTTP SSE (/generate_stream), stream_interval_ms=50: deltas grouped per stream",
     "vllm": "OpenAI SSE (/v1/completions), one event per engine step",
     "uvloop": "as triton, with the engine thread's loop on uvloop (LLMHOST_EVENT_LOOP=uvloop)",
     "variant": "as triton, with the backend settings of --variant",
+    "gateway": "OpenAI SSE (/v1/completions) through llmhost gateway -> Triton gRPC -> the triton side's server "
+               "(stream_interval_ms=0): one event per engine step",
 }
+# Sides beside the pair: one that does not start is skipped, the pair goes on.
+OPTIONAL = ("uvloop", "variant", "grouped", "gateway")
+GATEWAY_KEY = "gpu-speed-bench-key"
 # The per-step Triton path and its variants: the same settings but for an env var (uvloop)
 # or the backend settings given with --variant.
 PER_STEP = ("triton", "uvloop", "variant")
@@ -92,9 +102,9 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def get(url: str, timeout: float = 3) -> int:
+def get(url: str, timeout: float = 3, headers: dict[str, str] | None = None) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return int(r.status)
     except OSError:
         return 0
@@ -322,7 +332,18 @@ def ratios(runs: dict[str, list[dict[str, Any]]], path: str, base: str) -> list[
 def misses(rows: list[dict[str, Any]], goal: dict[str, Any] = GOAL) -> list[str]:
     from llmhost.bench_compare import Goal, check
 
-    return check(Goal(goal["path"], goal["base"], goal["min_tps_ratio"], goal["max_ttft_ratio"]), rows)
+    levels = goal.get("levels")
+    return check(Goal(goal["path"], goal["base"], goal["min_tps_ratio"], goal["max_ttft_ratio"],
+                      tuple(levels) if levels else None), rows)
+
+
+def gateway_goals() -> dict[str, dict[str, Any]]:
+    """Issue 13's goals (bench_compare.GOALS) as GOAL-shaped dicts, by "path/base"."""
+    from dataclasses import asdict
+
+    from llmhost.bench_compare import GOALS
+
+    return {f"{g.path}/{g.base}": asdict(g) for g in GOALS}
 
 
 # --- the servers -----------------------------------------------------------------------
@@ -463,6 +484,38 @@ class Server:
             except psutil.Error:
                 continue
         return out
+
+
+class Gateway(Server):
+    """`llmhost gateway` in front of UPSTREAM's gRPC port, with GATEWAY_KEY's hash in a
+    keys file; room upstream for MAX_CONCURRENT requests (its queue is not under test)."""
+
+    def __init__(self, upstream: Server, work: Path, env: dict[str, str], max_concurrent: int) -> None:
+        super().__init__("gateway", upstream.model, work, work / LOGS["gateway"], {}, env)
+        self.upstream, self.max_concurrent = upstream, max_concurrent
+        self.keys_file, self.key_file = work / "gateway-keys.yml", work / "gateway-key.txt"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "llmhost.cli", "gateway", "--upstream", f"127.0.0.1:{self.upstream.port + 1}",
+                "--listen", f"127.0.0.1:{self.port}", "--metrics-listen", f"127.0.0.1:{self.port + 1}",
+                "--keys-file", str(self.keys_file), "--model", NAME,
+                "--max-concurrent-upstream", str(self.max_concurrent), "--log-level", "warning"]
+
+    @property
+    def metrics_url(self) -> str:
+        """The upstream's: Watch samples the engine's scheduler gauges behind the gateway
+        (the gateway's own page is on port + 1)."""
+        return self.upstream.metrics_url
+
+    def ready(self) -> bool:
+        return get(self.url + "/v1/models", headers={"Authorization": f"Bearer {GATEWAY_KEY}"}) == 200
+
+    def start(self, timeout_s: float = 420) -> float:
+        from llmhost.gateway.keys import hash_key
+
+        self.keys_file.write_text(f"keys:\n  - name: bench\n    sha256: {hash_key(GATEWAY_KEY)}\n")
+        self.key_file.write_text(GATEWAY_KEY + "\n")
+        return super().start(timeout_s)
 
 
 # --- samplers --------------------------------------------------------------------------
@@ -618,6 +671,8 @@ def bench(server: Server, args: argparse.Namespace, out_json: Path | None, level
            "--model", NAME, "--concurrency", levels, "--duration", str(duration),
            "--prompt-words", str(args.prompt_words), "--output-tokens", str(args.output_tokens),
            "--processes", str(args.processes), "--quiet"]
+    if isinstance(server, Gateway):
+        cmd += ["--api-key-file", str(server.key_file)]
     if out_json is not None:
         cmd += ["--json", str(out_json)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=60 + 4 * (duration + 30) * len(levels.split(",")))
@@ -674,13 +729,18 @@ def tail(src: Path, dst: Path, lines: int = 150) -> None:
 def summarise(res: dict[str, Any]) -> None:
     runs = res["runs"]
     res["summary"] = {}
+    goals = gateway_goals()
     for path, base in (("triton", "vllm"), ("grouped", "vllm"), ("uvloop", "vllm"), ("uvloop", "triton"),
-                       ("variant", "vllm"), ("variant", "triton")):
+                       ("variant", "vllm"), ("variant", "triton"), ("gateway", "triton"), ("gateway", "vllm")):
         if runs.get(path) and runs.get(base) and len(runs[path]) == len(runs[base]):
             rows = ratios(runs, path, base)
-            res["summary"][f"{path}/{base}"] = {"rows": rows,
-                                                "misses": misses(rows, {**GOAL, "path": path, "base": base})}
+            goal = goals.get(f"{path}/{base}", {**GOAL, "path": path, "base": base})
+            res["summary"][f"{path}/{base}"] = {"rows": rows, "misses": misses(rows, goal)}
     res["goal_met"] = "triton/vllm" in res["summary"] and not res["summary"]["triton/vllm"]["misses"]
+    if "gateway/triton" in res["summary"] and "gateway/vllm" in res["summary"]:
+        # Issue 13: the gateway against the native path and against vLLM's server.
+        res["gateway_goal_met"] = not (res["summary"]["gateway/triton"]["misses"]
+                                       or res["summary"]["gateway/vllm"]["misses"])
 
 
 def print_summary(res: dict[str, Any]) -> None:
@@ -714,6 +774,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also measure the per-step path with LLMHOST_EVENT_LOOP=uvloop, in the rotation with the pair")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
                     help="also measure the per-step path with this backend setting (repeatable), in the rotation")
+    ap.add_argument("--gateway", action="store_true",
+                    help="also measure llmhost gateway in front of the triton side's server, in the rotation "
+                         "(issue 13's goals; --servers together only)")
     ap.add_argument("--no-watch", dest="watch", action="store_false",
                     help="skip the per-thread CPU and scheduler-gauge sampling of the measured server")
     ap.add_argument("--no-thread-names", dest="thread_names", action="store_false",
@@ -723,6 +786,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds for the whole run: no round or grouped pass is begun that would not fit")
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-speed-work"))
     args = ap.parse_args(argv)
+    if args.gateway and args.servers != "together":
+        ap.error("--gateway needs --servers together: the gateway fronts the running triton side")
     t_start = time.monotonic()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -737,6 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     engine: dict[str, Any] = {"served_model_name": NAME, "max_model_len": args.max_model_len,
                               "gpu_memory_utilization": share}
     pair = ["triton", "vllm"] + (["uvloop"] if args.uvloop else []) + (["variant"] if args.variant else [])
+    pair += ["gateway"] if args.gateway else []
     sides = pair + ([] if args.no_grouped else ["grouped"])
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "vllm": vllm.__version__, "gpu": q,
@@ -745,13 +811,15 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {"concurrency": [int(c) for c in args.concurrency.split(",")], "duration_s": args.duration,
                      "prompt_words": args.prompt_words, "output_tokens": args.output_tokens, "ignore_eos": True,
                      "client_processes": args.processes, "client": "llmhost bench on the same host"},
-        "engine_args": {side: dict(engine) for side in sides}, "streaming": {s: STREAMING[s] for s in sides},
+        "engine_args": {side: dict(engine) for side in sides if side != "gateway"},
+        "streaming": {s: STREAMING[s] for s in sides},
         "settings": {"triton": {"stream_interval_ms": 0}, "grouped": {"stream_interval_ms": GROUPED_MS},
                      **({"uvloop": {"stream_interval_ms": 0, "env": SIDE_ENV["uvloop"]}} if args.uvloop else {}),
                      **({"variant": {"stream_interval_ms": 0, **dict(kv.split("=", 1) for kv in args.variant)}}
                         if args.variant else {})},
         "watch": {"threads": args.watch, "thread_names": args.thread_names, "interval_s": 1.0},
-        "goal": GOAL, "runs": {s: [] for s in sides}, "order": [], "skipped": [],
+        "goal": GOAL, **({"gateway_goals": gateway_goals()} if args.gateway else {}),
+        "runs": {s: [] for s in sides}, "order": [], "skipped": [],
     }
 
     def save() -> None:
@@ -771,7 +839,10 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                VLLM_CACHE_ROOT=str(args.work / "vllm-cache"), PYTHONUNBUFFERED="1")
     servers = {s: Server(s, model, args.work, args.work / LOGS[s], engine, env,
-                         args.variant if s == "variant" else None) for s in sides}
+                         args.variant if s == "variant" else None) for s in sides if s != "gateway"}
+    if args.gateway:
+        levels = [int(c) for c in args.concurrency.split(",")]
+        servers["gateway"] = Gateway(servers["triton"], args.work, env, 2 * max(levels))
     samplers = Samplers(out / "gpu-samples.csv")
     names_pth = install_thread_names() if args.thread_names else None
     try:
@@ -785,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     up(servers[s])
                 except Exception as exc:
-                    if s not in ("uvloop", "variant", "grouped"):
+                    if s not in OPTIONAL:
                         raise
                     # The grouped pass and the experiments are beside the pair: go on without them.
                     res["skipped"].append(f"{s}: {type(exc).__name__}: {exc}")
@@ -816,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         up(server)
                     except Exception as exc:
-                        if side not in ("uvloop", "variant", "grouped"):
+                        if side not in OPTIONAL:
                             raise
                         # An experiment's side that does not start: the pair goes on without it.
                         res["skipped"].append(f"{side}: {type(exc).__name__}: {exc}")
@@ -845,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
             names_pth.unlink(missing_ok=True)
         res["ready_s"] = {s: servers[s].ready_s for s in sides}
         res["engine_config"] = {s: engine_config((args.work / LOGS[s]).read_text(errors="replace"))
-                                for s in sides if (args.work / LOGS[s]).exists()}
+                                for s in sides if s != "gateway" and (args.work / LOGS[s]).exists()}
         configs = [c.get("config") for c in res["engine_config"].values()]
         res["engine_config_equal"] = bool(configs) and None not in configs and len(set(configs)) == 1
         res["seconds"] = round(time.monotonic() - t_start, 1)
