@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import io
 import json
 import os
 import queue
@@ -50,10 +49,10 @@ from pathlib import Path
 from typing import Any
 
 from llmhost import tiny_model
+from llmhost.tiny_vision_model import IMAGE_TOKEN, image_tokenizer, picture
 
 HTTP, GRPC, METRICS = 18600, 18601, 18602
 URL = f"http://127.0.0.1:{HTTP}"
-IMAGE_TOKEN = "<image>"
 LLAVA_MARKER = ".llmhost-tiny-llava.json"
 IMAGE_SIZE, PATCH = 32, 8
 # CLIP's patch features, the class token dropped ("default" strategy): what one
@@ -74,7 +73,6 @@ def write_tiny_llava(out: str | os.PathLike[str], seed: int = 0) -> Path:
     """A random LLaVA (CLIP tower, Qwen2 text model) with the tiny tokenizer plus <image>."""
     import torch
     from transformers import (
-        AutoTokenizer,
         CLIPImageProcessor,
         CLIPVisionConfig,
         GenerationConfig,
@@ -85,11 +83,7 @@ def write_tiny_llava(out: str | os.PathLike[str], seed: int = 0) -> Path:
     )
 
     path = tiny_model.prepare_dir(out, LLAVA_MARKER, "tiny LLaVA")
-    tiny_model.train_tokenizer(path)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
-    eos_id, pad_id = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    tok, image_id, eos_id, pad_id = image_tokenizer(path)
     text = Qwen2Config(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
                        tie_word_embeddings=False, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
@@ -131,17 +125,6 @@ def text_tokens(model: Path, prompt: str) -> int:
     from transformers import AutoTokenizer
 
     return len(AutoTokenizer.from_pretrained(str(model))(prompt, add_special_tokens=False)["input_ids"])
-
-
-def picture(color: tuple[int, int, int], size: tuple[int, int] = (48, 40)) -> str:
-    """A PNG of one colour with a lighter square in it, base64 (as tests/e2e/test_images.py)."""
-    from PIL import Image
-
-    img = Image.new("RGB", size, color)
-    img.paste(tuple(min(255, c + 120) for c in color), (8, 8, 24, 24))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 # --- vLLM 0.20.2 under transformers 5.17 ----------------------------------------------------

@@ -14,9 +14,12 @@ torchvision build for CPU torch. BLIP-2 needs only Pillow.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from llmhost import tiny_model
 
@@ -43,6 +46,29 @@ def _configs(image_token_id: int, eos_id: int, pad_id: int) -> object:
                        text_config=text.to_dict(), num_query_tokens=QUERY_TOKENS, image_token_index=image_token_id)
 
 
+def image_tokenizer(path: Path) -> tuple[Any, int, int, int]:
+    """The tiny model's tokenizer trained into PATH, plus IMAGE_TOKEN (not yet saved):
+    (tokenizer, image token id, end-of-sequence id, padding id)."""
+    from transformers import AutoTokenizer
+
+    tiny_model.train_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    ids = tok.convert_tokens_to_ids
+    return tok, ids(IMAGE_TOKEN), ids("<|im_end|>"), ids("<|endoftext|>")
+
+
+def picture(color: tuple[int, int, int], size: tuple[int, int] = (48, 40)) -> str:
+    """A PNG of one colour with a lighter square in it, base64: a request's `image`."""
+    from PIL import Image
+
+    img = Image.new("RGB", size, color)
+    img.paste(tuple(min(255, c + 120) for c in color), (8, 8, 24, 24))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def write_tiny_vision_model(out: str | os.PathLike[str], seed: int = 0) -> Path:
     """Write the tiny BLIP-2 model to ``out`` and return its path.
 
@@ -50,7 +76,6 @@ def write_tiny_vision_model(out: str | os.PathLike[str], seed: int = 0) -> Path:
     """
     import torch
     from transformers import (
-        AutoTokenizer,
         Blip2ForConditionalGeneration,
         Blip2Processor,
         BlipImageProcessor,
@@ -58,12 +83,7 @@ def write_tiny_vision_model(out: str | os.PathLike[str], seed: int = 0) -> Path:
     )
 
     path = tiny_model.prepare_dir(out, MARKER, "tiny vision model")
-    tiny_model.train_tokenizer(path)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
-    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
-    pad_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok, image_id, eos_id, pad_id = image_tokenizer(path)
     torch.manual_seed(seed)
     model = Blip2ForConditionalGeneration(_configs(image_id, eos_id, pad_id)).to(torch.bfloat16)
     model.save_pretrained(str(path), safe_serialization=True)

@@ -7,30 +7,17 @@ and a file that is no picture are refused by name; text alone still works."""
 from __future__ import annotations
 
 import base64
-import io
 from collections.abc import Iterator
 
 import pytest
-from PIL import Image
 
-from llmhost.tiny_vision_model import QUERY_TOKENS, write_tiny_vision_model
+from llmhost.tiny_vision_model import QUERY_TOKENS, picture, write_tiny_vision_model
 from tests.e2e._client import generate, grpc_stream, texts
 from tests.harness.server import Server, start_server, wait_gone
 
 PROMPT = "what is in the picture?"
 ASK = {"text_input": PROMPT, "max_tokens": 6, "temperature": 0, "exclude_input_in_output": True,
        "return_num_input_tokens": True, "return_cumulative_logprob": True}
-
-
-def picture(color: tuple[int, int, int], size: tuple[int, int] = (48, 40)) -> str:
-    """A PNG of one colour with a lighter square in it, base64."""
-    img = Image.new("RGB", size, color)
-    img.paste(tuple(min(255, c + 120) for c in color), (8, 8, 24, 24))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 RED, BLUE = picture((200, 20, 20)), picture((20, 40, 220))
 
 
