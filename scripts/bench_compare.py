@@ -33,8 +33,7 @@ import requests
 
 from llmhost.backend.config import BackendSettings
 from llmhost.bench import LevelResult, Target, Workload, plot, sweep, table
-from llmhost.bench_compare import GOALS, PATHS, Goal, check, compare, round_order
-from llmhost.gateway.keys import hash_key
+from llmhost.bench_compare import GOALS, PATHS, Goal, check, compare, gateway_args, round_order, write_bench_key
 from llmhost.tiny_model import write_tiny_model
 
 MAX_MODEL_LEN = 1024
@@ -174,11 +173,9 @@ def main() -> int:
                   *(a for kv in args.setting for a in ("--setting", kv))]
     key = "bench-" + os.urandom(16).hex()
     keys_file = work / "gateway-keys.yml"
-    keys_file.write_text(f"keys:\n  - name: bench\n    sha256: {hash_key(key)}\n")
-    # Room for every level's requests at once: the gateway's queue is not under test.
-    gateway_cmd = [str(bin_dir / "llmhost"), "gateway", "--upstream", "127.0.0.1:18801",
-                   "--listen", "127.0.0.1:18820", "--metrics-listen", "127.0.0.1:18821", "--keys-file", str(keys_file),
-                   "--model", "tiny", "--max-concurrent-upstream", str(max(levels) * 2), "--log-level", "warning"]
+    write_bench_key(keys_file, key)
+    gateway_cmd = [str(bin_dir / "llmhost"), "gateway", *gateway_args(
+        "127.0.0.1:18801", "127.0.0.1:18820", "127.0.0.1:18821", keys_file, "tiny", max(levels) * 2)]
     vllm_cmd = [str(bin_dir / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "18810", "--enforce-eager",
                 "--dtype", "bfloat16", "--disable-log-stats", *engine]

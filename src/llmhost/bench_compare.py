@@ -8,11 +8,28 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from llmhost.bench import LevelResult
 
 PATHS = ("triton", "gateway", "vllm")
+
+
+def write_bench_key(keys_file: Path, key: str) -> None:
+    """A gateway keys file holding KEY's hash as the one key "bench"."""
+    from llmhost.gateway.keys import hash_key
+
+    keys_file.write_text(f"keys:\n  - name: bench\n    sha256: {hash_key(key)}\n")
+
+
+def gateway_args(upstream: str, listen: str, metrics_listen: str, keys_file: Path, model: str,
+                 max_concurrent: int) -> list[str]:
+    """`llmhost gateway`'s arguments for a benchmark. MAX_CONCURRENT: room for every
+    level's requests at once (the gateway's queue is not under test)."""
+    return ["--upstream", upstream, "--listen", listen, "--metrics-listen", metrics_listen,
+            "--keys-file", str(keys_file), "--model", model, "--max-concurrent-upstream", str(max_concurrent),
+            "--log-level", "warning"]
 
 
 @dataclass(frozen=True)

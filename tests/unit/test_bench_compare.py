@@ -47,3 +47,20 @@ def test_vllm_goal_only_counts_its_levels_and_nan_is_a_miss():
             {"concurrency": 16, "tps_ratio": 0.91, "ttft_ratio": 9.0, "errors": 0},
             {"concurrency": 64, "tps_ratio": math.nan, "ttft_ratio": 1.0, "errors": 0}]
     assert check(vs_vllm, rows) == ["c=64: throughput nanx of vllm < 0.90"]
+
+
+def test_the_benchmarks_gateway_takes_its_key_and_arguments(tmp_path):
+    from llmhost.bench_compare import gateway_args, write_bench_key
+    from llmhost.gateway.cli import build_parser, settings
+    from llmhost.gateway.keys import KeyStore, load_keys
+
+    keys_file = tmp_path / "keys.yml"
+    write_bench_key(keys_file, "bench-0123456789abcdef")
+    store = KeyStore(load_keys(keys_file))
+    assert store.authenticate("Bearer bench-0123456789abcdef").name == "bench"
+    # The arguments as the gateway's own parser reads them.
+    config = settings(build_parser().parse_args(
+        gateway_args("127.0.0.1:18801", "127.0.0.1:18820", "127.0.0.1:18821", keys_file, "tiny", 128)))
+    assert config.upstreams == ["127.0.0.1:18801"] and config.models == ["tiny"]
+    assert config.keys_file == keys_file and config.max_concurrent_upstream == 128
+    assert config.listen == ("127.0.0.1", 18820) and config.log_level == "warning"

@@ -496,10 +496,11 @@ class Gateway(Server):
         self.keys_file, self.key_file = work / "gateway-keys.yml", work / "gateway-key.txt"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "llmhost.cli", "gateway", "--upstream", f"127.0.0.1:{self.upstream.port + 1}",
-                "--listen", f"127.0.0.1:{self.port}", "--metrics-listen", f"127.0.0.1:{self.port + 1}",
-                "--keys-file", str(self.keys_file), "--model", NAME,
-                "--max-concurrent-upstream", str(self.max_concurrent), "--log-level", "warning"]
+        from llmhost.bench_compare import gateway_args
+
+        return [sys.executable, "-m", "llmhost.cli", "gateway",
+                *gateway_args(f"127.0.0.1:{self.upstream.port + 1}", f"127.0.0.1:{self.port}",
+                              f"127.0.0.1:{self.port + 1}", self.keys_file, NAME, self.max_concurrent)]
 
     @property
     def metrics_url(self) -> str:
@@ -511,9 +512,9 @@ class Gateway(Server):
         return get(self.url + "/v1/models", headers={"Authorization": f"Bearer {GATEWAY_KEY}"}) == 200
 
     def start(self, timeout_s: float = 420) -> float:
-        from llmhost.gateway.keys import hash_key
+        from llmhost.bench_compare import write_bench_key
 
-        self.keys_file.write_text(f"keys:\n  - name: bench\n    sha256: {hash_key(GATEWAY_KEY)}\n")
+        write_bench_key(self.keys_file, GATEWAY_KEY)
         self.key_file.write_text(GATEWAY_KEY + "\n")
         return super().start(timeout_s)
 
