@@ -52,13 +52,26 @@ SERVER_NICE = 10
 GATEWAY_NICE = 0
 
 
+def frontend_cpus(proc: subprocess.Popen[bytes]) -> set[int] | None:
+    """The CPUs our backend moved tritonserver to (off vLLM's worker cores:
+    llmhost.backend.cpus), for the gateway to run on as well, as a CPU host's
+    `gateway_cpu_affinity` puts it; None when tritonserver was left on every CPU."""
+    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+        if p.name() == "tritonserver":
+            cpus = set(p.cpu_affinity())
+            return cpus if cpus != os.sched_getaffinity(0) else None
+    return None
+
+
 def start(cmd: list[str], env: dict[str, str], ready_url: str, log: Path,
-          headers: dict[str, str] | None = None, nice: int = SERVER_NICE) -> subprocess.Popen[bytes]:
+          headers: dict[str, str] | None = None, nice: int = SERVER_NICE,
+          cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
     priority = ("nice", "-n", str(nice), "sh", "-c", f'echo {nice} > /proc/self/autogroup 2>/dev/null; exec "$@"',
                 "server")
     with log.open("ab") as out:
         proc = subprocess.Popen([*priority, *cmd], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -195,6 +208,7 @@ def main() -> int:
     stalls: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     probe = StallProbe()
+    gateway_cpus: list[list[int]] = []
     for rnd in range(args.rounds):
         for name in round_order(names, rnd):
             procs_spec, target = paths[name]
@@ -204,7 +218,10 @@ def main() -> int:
                 for cmd, ready, headers in procs_spec:
                     label = "gateway" if cmd is gateway_cmd else "triton" if cmd is triton_cmd else name
                     nice = GATEWAY_NICE if label == "gateway" else SERVER_NICE
-                    procs.append((label, start(cmd, env, ready, args.out / f"{label}.log", headers, nice)))
+                    cpus = frontend_cpus(procs[0][1]) if label == "gateway" else None
+                    if cpus:
+                        gateway_cpus.append(sorted(cpus))
+                    procs.append((label, start(cmd, env, ready, args.out / f"{label}.log", headers, nice, cpus)))
                 t0 = time.monotonic()
                 cpu0 = {label: cpu_seconds(p) for label, p in procs}
                 results = asyncio.run(sweep(target, workload, levels, progress=True))
@@ -229,6 +246,7 @@ def main() -> int:
             "rounds": args.rounds, "workload": workload.__dict__, "max_model_len": MAX_MODEL_LEN,
             "llmhost_settings": BackendSettings().__dict__, "llmhost_setting_overrides": args.setting,
             "server_nice": SERVER_NICE, "gateway_nice": GATEWAY_NICE, "paths": names,
+            "gateway_cpus": gateway_cpus,
             "streaming": {"triton": "HTTP SSE from the backend, one response per engine step unless "
                                     "stream_interval_ms (llmhost_settings) groups them",
                           "gateway": "OpenAI SSE, one chunk per backend response (grouped the same way)",

@@ -57,6 +57,8 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
                            "gateway_tls_key_file": "/nonexistent/gw.key"}, ("/nonexistent/gw.crt", "not a file")),
     ("CPU weight out of range", {**keys({"name": "a", "key": KEY}), "gateway_cpu_weight": 20000},
      ("gateway_cpu_weight", "1 to 10000")),
+    ("CPU affinity not CPUs", {**keys({"name": "a", "key": KEY}), "gateway_cpu_affinity": "cores 1"},
+     ("gateway_cpu_affinity", "CPU numbers or ranges")),
     ("port clash", {**keys({"name": "a", "key": KEY}), "gateway_port": 18081}, ("gateway_port",)),
     ("unknown model", {**keys({"name": "a", "key": KEY}), "gateway_models": ["llama"]}, ("gateway_models", "llama")),
     ("bad upstream", {**keys({"name": "a", "key": KEY}), "gateway_upstreams": ["localhost"]}, ("gateway_upstreams",)),
@@ -126,10 +128,13 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
                  "ProcSubset=pid", "ProtectProc=invisible", "SystemCallFilter=@system-service", "UMask=0077",
                  "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "\nCapabilityBoundingSet=\n"):
         assert want in unit, want
+    assert "CPUAffinity" not in unit  # any CPU unless asked
     run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}), "gateway_port": 443,
-                             "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
+                             "gateway_cpu_affinity": "6-7,14", "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
     assert run.rc == 0, run.output
-    assert "\nCapabilityBoundingSet=CAP_NET_BIND_SERVICE\n" in (tmp_path / "unit").read_text()
+    unit = (tmp_path / "unit").read_text()
+    assert "\nCapabilityBoundingSet=CAP_NET_BIND_SERVICE\n" in unit
+    assert "\nCPUAffinity=6-7,14\n" in unit
 
 
 # -- a gateway on a host of its own (group gateway) --------------------------------------

@@ -81,6 +81,10 @@ class BackendSettings:
     # 1.13/1.28/1.38x the tokens/s without it (docs/performance.md). false: every
     # metrics_interval_s, which a Prometheus scrape (15 s) never notices.
     fresh_metrics: bool = False
+    # KIND_CPU: once the engine is up, move tritonserver's and this stub's threads
+    # off the cores vLLM bound its workers to (llmhost.backend.cpus). Every token
+    # passes through those threads; on the workers' cores they stall engine steps.
+    pin_frontend_cpus: bool = True
 
 
 @dataclass(frozen=True)

@@ -417,6 +417,10 @@ class TritonPythonModel:
         # Metric families are made only after the engine is up and dropped in
         # finalize(): made earlier they crash the stub at exit.
         exporter = self._exporter(pb, args) if report_metrics else None
+        if args.get("model_instance_kind", "CPU") == "CPU" and self.config.settings.pin_frontend_cpus:
+            from llmhost.backend.cpus import pin_frontend
+
+            pin_frontend(lambda m: pb.Logger.log_info(f"[llmhost] {m}"))
         self.io = _TritonIOPool(self.runner, self.metrics, self.config.settings, exporter)
         _freeze_startup_heap()
         pb.Logger.log_info(f"[llmhost] model {args['model_name']} ready "

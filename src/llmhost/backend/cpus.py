@@ -1,0 +1,98 @@
+"""Keeping Triton's serving threads off a CPU engine's cores (KIND_CPU).
+
+vLLM's CPU backend binds each worker's OpenMP threads to cores of its own
+(``VLLM_CPU_OMP_THREADS_BIND``, "auto" by default) and leaves the rest of the
+process's CPUs, at least one, to "the other processes": the engine's scheduler and
+whatever serves the requests. It does not move those there. Left anywhere, the
+serving threads that handle every token (tritonserver's frontend, this stub's
+response threads) land on the worker's cores too, and every time slice they take
+there stalls the engine's step: on the 2-core machine the worker ran 10-11 s of
+15 and the Triton path's tokens/s fell by a third (docs/performance.md).
+
+Once the engine is up, ``pin_frontend`` reads which CPUs the engine's workers were
+bound to, and moves this stub's threads and its parent tritonserver's onto the
+others. Threads made later inherit the mask of the thread that makes them. The
+engine's own processes are left where vLLM put them. Nothing moves when the
+workers are not bound (``nobind``), when they took every CPU, or when the parent
+is not a tritonserver (``pin_frontend_cpus: false`` turns it off).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import psutil
+
+_TRITONSERVER = "tritonserver"
+
+
+def worker_cpus(allowed: set[int], affinities: Iterable[set[int]]) -> set[int]:
+    """The CPUs the engine's bound workers use: every descendant's affinity that is
+    a strict subset of ALLOWED (an unbound process keeps all of them)."""
+    bound: set[int] = set()
+    for cpus in affinities:
+        if cpus and cpus < allowed:
+            bound |= cpus
+    return bound
+
+
+def frontend_cpus(allowed: set[int], affinities: Iterable[set[int]]) -> set[int]:
+    """The CPUs left to the serving threads; empty when nothing should move (no
+    bound worker, or the workers cover every allowed CPU)."""
+    bound = worker_cpus(allowed, affinities)
+    if not bound:
+        return set()
+    return allowed - bound
+
+
+def _descendant_affinities(me: psutil.Process) -> list[set[int]]:
+    out = []
+    for proc in me.children(recursive=True):
+        try:
+            out.append(set(proc.cpu_affinity()))
+        except psutil.Error:
+            continue  # gone meanwhile
+    return out
+
+
+def _pin_threads(pid: int, cpus: set[int]) -> int:
+    """Sets every thread of PID to CPUS; returns how many were set."""
+    done = 0
+    try:
+        tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+            done += 1
+        except (ProcessLookupError, PermissionError):
+            continue  # a thread that ended meanwhile, or one we may not move
+    return done
+
+
+def _cpu_list(cpus: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def pin_frontend(log: Callable[[str], None]) -> set[int]:
+    """Moves this process's threads and its tritonserver parent's onto the CPUs the
+    engine's workers do not use. Returns those CPUs (empty: nothing moved)."""
+    me = psutil.Process()
+    allowed = set(os.sched_getaffinity(0))
+    cpus = frontend_cpus(allowed, _descendant_affinities(me))
+    if not cpus:
+        log(f"CPUs: the engine's workers are not bound to a subset of {_cpu_list(allowed)}; "
+            "the serving threads stay where they are")
+        return set()
+    parent = me.parent()
+    if parent is None or parent.name() != _TRITONSERVER:
+        log("CPUs: not started by tritonserver; the serving threads stay where they are")
+        return set()
+    mine = _pin_threads(me.pid, cpus)
+    theirs = _pin_threads(parent.pid, cpus)
+    log(f"CPUs: engine workers on {_cpu_list(allowed - cpus)}; moved tritonserver's {theirs} threads "
+        f"and this stub's {mine} to {_cpu_list(cpus)}")
+    return cpus
