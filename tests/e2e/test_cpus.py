@@ -25,7 +25,8 @@ def test_tritonserver_and_stub_run_off_the_workers_cores(server: Server) -> None
     procs = tritonserver.children(recursive=True)
     stubs = [p for p in procs if p.name().startswith("triton_python")]
     workers = [p for p in procs if "Worker" in p.name()]
-    assert stubs and workers, [p.name() for p in procs]
+    cores = [p for p in procs if "EngineCor" in p.name()]
+    assert stubs and workers and cores, [p.name() for p in procs]
     worker_cpus = set().union(*(set(w.cpu_affinity()) for w in workers))
     allowed = set(os.sched_getaffinity(0))
     assert worker_cpus < allowed, "vLLM bound its worker to every CPU: nothing left to move the frontend to"
@@ -34,4 +35,6 @@ def test_tritonserver_and_stub_run_off_the_workers_cores(server: Server) -> None
         # Every thread, those made after the move too (the HTTP/gRPC frontends start
         # after the model loads), runs on the CPUs the workers do not use.
         assert masks == {frozenset(allowed - worker_cpus)}, (proc.name(), masks)
+    for proc in cores:  # vLLM's scheduler takes turns with the workers, on their CPUs
+        assert _threads_affinity(proc.pid) == {frozenset(worker_cpus)}, proc.name()
     assert "CPUs: engine workers on" in server.log.read_text(errors="replace")

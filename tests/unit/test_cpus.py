@@ -68,8 +68,10 @@ def test_pin_frontend_moves_the_stub_and_its_tritonserver(monkeypatch: pytest.Mo
     pinned = _fake(monkeypatch, {0, 1}, [_Proc(10, "VLLM::EngineCore", affinity=[0, 1]),
                                          _Proc(11, "VLLM::Worker", affinity=[0])], "tritonserver")
     assert cpus.pin_frontend(logs.append) == {1}
-    assert pinned == {os.getpid(): {1}, 4242: {1}}
-    assert logs == ["CPUs: engine workers on 0; moved tritonserver's 3 threads and this stub's 3 to 1"]
+    # The stub and tritonserver to CPU 1; vLLM's unbound EngineCore to the worker's CPU 0.
+    assert pinned == {os.getpid(): {1}, 4242: {1}, 10: {0}}
+    assert logs == ["CPUs: engine workers on 0; moved tritonserver's 3 threads and this stub's 3 to 1, "
+                    "the engine's other 1 process(es) to the workers'"]
 
 
 @pytest.mark.parametrize(("kids", "parent", "said"), [

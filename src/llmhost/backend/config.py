@@ -82,8 +82,9 @@ class BackendSettings:
     # metrics_interval_s, which a Prometheus scrape (15 s) never notices.
     fresh_metrics: bool = False
     # KIND_CPU: once the engine is up, move tritonserver's and this stub's threads
-    # off the cores vLLM bound its workers to (llmhost.backend.cpus). Every token
-    # passes through those threads; on the workers' cores they stall engine steps.
+    # off the cores vLLM bound its workers to, and vLLM's scheduler onto them
+    # (llmhost.backend.cpus). Every token passes through the serving threads; on the
+    # workers' cores they stall engine steps.
     pin_frontend_cpus: bool = True
 
 

@@ -12,9 +12,12 @@ there stalls the engine's step: on the 2-core machine the worker ran 10-11 s of
 Once the engine is up, ``pin_frontend`` reads which CPUs the engine's workers were
 bound to, and moves this stub's threads and its parent tritonserver's onto the
 others. Threads made later inherit the mask of the thread that makes them. The
-engine's own processes are left where vLLM put them. Nothing moves when the
-workers are not bound (``nobind``), when they took every CPU, or when the parent
-is not a tritonserver (``pin_frontend_cpus: false`` turns it off).
+engine's other processes (vLLM's EngineCore, the scheduler) go to the workers'
+CPUs: the scheduler and the workers take turns every step, and on the serving
+CPUs the scheduler waited behind the serving threads (docs/performance.md).
+Nothing moves when the workers are not bound (``nobind``), when they took every
+CPU, or when the parent is not a tritonserver (``pin_frontend_cpus: false`` turns
+it off).
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ def frontend_cpus(allowed: set[int], affinities: Iterable[set[int]]) -> set[int]
     return allowed - bound
 
 
-def _descendant_affinities(me: psutil.Process) -> list[set[int]]:
+def _descendants(me: psutil.Process) -> list[tuple[int, set[int]]]:
+    """(pid, affinity) of every process the engine started."""
     out = []
     for proc in me.children(recursive=True):
         try:
-            out.append(set(proc.cpu_affinity()))
+            out.append((proc.pid, set(proc.cpu_affinity())))
         except psutil.Error:
             continue  # gone meanwhile
     return out
@@ -82,7 +86,8 @@ def pin_frontend(log: Callable[[str], None]) -> set[int]:
     engine's workers do not use. Returns those CPUs (empty: nothing moved)."""
     me = psutil.Process()
     allowed = set(os.sched_getaffinity(0))
-    cpus = frontend_cpus(allowed, _descendant_affinities(me))
+    engine = _descendants(me)
+    cpus = frontend_cpus(allowed, [a for _, a in engine])
     if not cpus:
         log(f"CPUs: the engine's workers are not bound to a subset of {_cpu_list(allowed)}; "
             "the serving threads stay where they are")
@@ -91,8 +96,13 @@ def pin_frontend(log: Callable[[str], None]) -> set[int]:
     if parent is None or parent.name() != _TRITONSERVER:
         log("CPUs: not started by tritonserver; the serving threads stay where they are")
         return set()
+    workers = allowed - cpus
     mine = _pin_threads(me.pid, cpus)
     theirs = _pin_threads(parent.pid, cpus)
-    log(f"CPUs: engine workers on {_cpu_list(allowed - cpus)}; moved tritonserver's {theirs} threads "
-        f"and this stub's {mine} to {_cpu_list(cpus)}")
+    # The engine's unbound processes (the scheduler) join the workers.
+    unbound = [pid for pid, a in engine if a == allowed]
+    for pid in unbound:
+        _pin_threads(pid, workers)
+    log(f"CPUs: engine workers on {_cpu_list(workers)}; moved tritonserver's {theirs} threads and this "
+        f"stub's {mine} to {_cpu_list(cpus)}, the engine's other {len(unbound)} process(es) to the workers'")
     return cpus
