@@ -182,7 +182,7 @@ def main() -> int:
     engine = ["--max-model-len", str(MAX_MODEL_LEN)]
     triton_cmd = [str(bin_dir / "llmhost"), "serve", "--model", str(model), "--name", "tiny", "--device", "cpu",
                   "--http-port", "18800", "--grpc-port", "18801", "--metrics-port", "18802",
-                  "--workdir", str(work / "triton"), *engine,
+                  "--workdir", str(work / "triton"), *engine, "--setting", "pin_frontend_cpus=true",
                   *(a for kv in args.setting for a in ("--setting", kv))]
     key = "bench-" + os.urandom(16).hex()
     keys_file = work / "gateway-keys.yml"

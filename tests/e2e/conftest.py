@@ -14,8 +14,10 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     # several I/O threads (the default is one); fresh_metrics, so tests that read
     # /metrics right after a response (vllm_backend's contract) find it counted.
     # The default (periodic pushes only) is what the system tests deploy.
+    # pin_frontend_cpus (opt-in), so tests/e2e/test_cpus.py sees the threads moved.
     srv = start_server(tiny_model, tmp_path_factory.mktemp("serve"),
-                       extra=["--setting", "response_threads=2", "--setting", "fresh_metrics=true"])
+                       extra=["--setting", "response_threads=2", "--setting", "fresh_metrics=true",
+                              "--setting", "pin_frontend_cpus=true"])
     yield srv
     kids = srv.descendants()
     srv.stop()

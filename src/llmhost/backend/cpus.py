@@ -15,9 +15,9 @@ others. Threads made later inherit the mask of the thread that makes them. The
 engine's other processes (vLLM's EngineCore, the scheduler) go to the workers'
 CPUs: the scheduler and the workers take turns every step, and on the serving
 CPUs the scheduler waited behind the serving threads (docs/performance.md).
-Nothing moves when the workers are not bound (``nobind``), when they took every
-CPU, or when the parent is not a tritonserver (``pin_frontend_cpus: false`` turns
-it off).
+It runs only with the model setting ``pin_frontend_cpus: true`` (opt-in). Nothing
+moves when the workers are not bound (``nobind``), when they took every CPU, or
+when the parent is not a tritonserver.
 """
 
 from __future__ import annotations
