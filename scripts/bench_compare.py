@@ -56,7 +56,8 @@ def frontend_cpus(proc: subprocess.Popen[bytes]) -> set[int] | None:
     """The CPUs our backend moved tritonserver to (off vLLM's worker cores:
     llmhost.backend.cpus), for the gateway to run on as well, as a CPU host's
     `gateway_cpu_affinity` puts it; None when tritonserver was left on every CPU."""
-    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+    root = psutil.Process(proc.pid)
+    for p in [root, *root.children(recursive=True)]:
         if p.name() == "tritonserver":
             cpus = set(p.cpu_affinity())
             return cpus if cpus != os.sched_getaffinity(0) else None
