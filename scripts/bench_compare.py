@@ -32,11 +32,24 @@ import psutil
 import requests
 
 from llmhost.backend.config import BackendSettings
+from llmhost.backend.cpus import pin_threads
 from llmhost.bench import LevelResult, Target, Workload, plot, sweep, table
-from llmhost.bench_compare import GOALS, PATHS, Goal, check, compare, gateway_args, round_order, write_bench_key
+from llmhost.bench_compare import (
+    GOALS,
+    PATHS,
+    Goal,
+    check,
+    client_cpus,
+    compare,
+    gateway_args,
+    round_order,
+    write_bench_key,
+)
 from llmhost.tiny_model import write_tiny_model
 
 MAX_MODEL_LEN = 1024
+# The CPUs this script may use, read before the load generator is pinned.
+ALL_CPUS = frozenset(os.sched_getaffinity(0))
 
 
 # The servers run below the load generator's priority. The client shares this
@@ -60,8 +73,19 @@ def frontend_cpus(proc: subprocess.Popen[bytes]) -> set[int] | None:
     for p in [root, *root.children(recursive=True)]:
         if p.name() == "tritonserver":
             cpus = set(p.cpu_affinity())
-            return cpus if cpus != os.sched_getaffinity(0) else None
+            return cpus if cpus != ALL_CPUS else None
     return None
+
+
+def server_client_cpus(proc: subprocess.Popen[bytes]) -> set[int]:
+    """The CPUs the server's bound vLLM workers leave free (llmhost.bench_compare.client_cpus)."""
+    processes = []
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            processes.append((p.name(), set(p.cpu_affinity())))
+        except psutil.Error:
+            continue
+    return client_cpus(set(ALL_CPUS), processes)
 
 
 def start(cmd: list[str], env: dict[str, str], ready_url: str, log: Path,
@@ -72,7 +96,9 @@ def start(cmd: list[str], env: dict[str, str], ready_url: str, log: Path,
     with log.open("ab") as out:
         proc = subprocess.Popen([*priority, *cmd], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True,
-                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+                                # Every CPU unless told: not the load generator's (it inherits this
+                                # process's mask, and vLLM binds its workers within it).
+                                preexec_fn=lambda: os.sched_setaffinity(0, cpus or ALL_CPUS))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -169,6 +195,9 @@ def main() -> int:
     ap.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
                     help="a backend setting for the Triton paths (llmhost serve --setting), repeatable")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"which to run, of {', '.join(PATHS)}")
+    ap.add_argument("--client-cpus", choices=("auto", "all"), default="auto",
+                    help="auto: run the load generator on the CPUs the first server's vLLM workers leave "
+                         "free, for every path (all: anywhere, as runs before this option did)")
     args = ap.parse_args()
     names = [n for n in args.paths.split(",") if n]
     if not names or set(names) - set(PATHS) or len(set(names)) != len(names):
@@ -210,6 +239,8 @@ def main() -> int:
     cpu: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     probe = StallProbe()
     gateway_cpus: list[list[int]] = []
+    client: set[int] = set()  # where the load generator runs, once the first server showed it
+    client_decided = args.client_cpus == "all"
     for rnd in range(args.rounds):
         for name in round_order(names, rnd):
             procs_spec, target = paths[name]
@@ -223,6 +254,12 @@ def main() -> int:
                     if cpus:
                         gateway_cpus.append(sorted(cpus))
                     procs.append((label, start(cmd, env, ready, args.out / f"{label}.log", headers, nice, cpus)))
+                if not client_decided:
+                    # Every thread of this process: the load generator and the stall probe.
+                    client, client_decided = server_client_cpus(procs[0][1]), True
+                    if client:
+                        pin_threads(os.getpid(), client)
+                    print(f"the load generator runs on CPUs {sorted(client) or 'any'}", file=sys.stderr, flush=True)
                 t0 = time.monotonic()
                 cpu0 = {label: cpu_seconds(p) for label, p in procs}
                 results = asyncio.run(sweep(target, workload, levels, progress=True))
@@ -247,7 +284,7 @@ def main() -> int:
             "rounds": args.rounds, "workload": workload.__dict__, "max_model_len": MAX_MODEL_LEN,
             "llmhost_settings": BackendSettings().__dict__, "llmhost_setting_overrides": args.setting,
             "server_nice": SERVER_NICE, "gateway_nice": GATEWAY_NICE, "paths": names,
-            "gateway_cpus": gateway_cpus,
+            "gateway_cpus": gateway_cpus, "client_cpus": sorted(client) or "any",
             "streaming": {"triton": "HTTP SSE from the backend, one response per engine step unless "
                                     "stream_interval_ms (llmhost_settings) groups them",
                           "gateway": "OpenAI SSE, one chunk per backend response (grouped the same way)",

@@ -50,6 +50,23 @@ GOALS = (
 )
 
 
+# vLLM's CPU workers carry this process title (setproctitle) under both servers.
+WORKER_TITLE = "VLLM::Worker"
+
+
+def client_cpus(allowed: set[int], processes: list[tuple[str, set[int]]]) -> set[int]:
+    """The CPUs for the load generator: those a server's bound vLLM CPU workers leave
+    to the other processes, from (process name, affinity) of the server's processes.
+    Empty (run anywhere) when no worker is bound to a strict subset of ALLOWED.
+
+    vLLM's CPU backend keeps at least one CPU free of its workers for "the other
+    processes"; a client left anywhere at a higher priority than the servers
+    preempts a worker whenever the kernel puts it there."""
+    from llmhost.backend.cpus import frontend_cpus
+
+    return frontend_cpus(allowed, [cpus for name, cpus in processes if WORKER_TITLE in name])
+
+
 def round_order(names: list[str], rnd: int) -> list[str]:
     """The order of the paths in round RND (from 0): rotated by one each round, so
     each path runs first, second and last equally often."""

@@ -64,3 +64,18 @@ def test_the_benchmarks_gateway_takes_its_key_and_arguments(tmp_path):
     assert config.upstreams == ["127.0.0.1:18801"] and config.models == ["tiny"]
     assert config.keys_file == keys_file and config.max_concurrent_upstream == 128
     assert config.listen == ("127.0.0.1", 18820) and config.log_level == "warning"
+
+
+def test_the_client_goes_where_vllms_bound_workers_leave_room():
+    from llmhost.bench_compare import client_cpus
+
+    # llmhost serve with pin_frontend_cpus: tritonserver and the stub moved to CPU 1,
+    # EngineCore to CPU 0: only the worker's binding counts.
+    served = [("llmhost", {0, 1}), ("tritonserver", {1}), ("triton_python_backend_stub", {1}),
+              ("VLLM::EngineCore", {0}), ("VLLM::Worker", {0})]
+    assert client_cpus({0, 1}, served) == {1}
+    # vLLM's own server: nothing moved but the worker.
+    assert client_cpus({0, 1, 2, 3}, [("python", {0, 1, 2, 3}), ("VLLM::Worker", {0, 1, 2})]) == {3}
+    # Workers unbound (nobind) or on every CPU: the client runs anywhere.
+    assert client_cpus({0, 1}, [("VLLM::Worker", {0, 1})]) == set()
+    assert client_cpus({0, 1}, [("VLLM::EngineCore", {0})]) == set()

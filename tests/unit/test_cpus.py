@@ -59,7 +59,7 @@ def _fake(monkeypatch: pytest.MonkeyPatch, allowed: set[int], kids: list[_Proc],
     monkeypatch.setattr(cpus.psutil, "Process", lambda: me)
     monkeypatch.setattr(cpus.os, "sched_getaffinity", lambda pid: allowed)
     pinned: dict[int, set[int]] = {}
-    monkeypatch.setattr(cpus, "_pin_threads", lambda pid, c: pinned.setdefault(pid, set(c)) and 3)
+    monkeypatch.setattr(cpus, "pin_threads", lambda pid, c: pinned.setdefault(pid, set(c)) and 3)
     return pinned
 
 
@@ -104,11 +104,11 @@ def test_pin_threads_sets_every_thread_of_a_process() -> None:
     t.start()
     started.wait(10)
     try:
-        assert cpus._pin_threads(os.getpid(), target) >= 2
+        assert cpus.pin_threads(os.getpid(), target) >= 2
         assert os.sched_getaffinity(0) == target
     finally:
         stop.set()
         t.join()
-        cpus._pin_threads(os.getpid(), before)
+        cpus.pin_threads(os.getpid(), before)
     assert seen["thread"] == target
-    assert cpus._pin_threads(2 ** 22 + 7, target) == 0  # no such process: nothing set, no error
+    assert cpus.pin_threads(2 ** 22 + 7, target) == 0  # no such process: nothing set, no error

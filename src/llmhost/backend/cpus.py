@@ -61,7 +61,7 @@ def _descendants(me: psutil.Process) -> list[tuple[int, set[int]]]:
     return out
 
 
-def _pin_threads(pid: int, cpus: set[int]) -> int:
+def pin_threads(pid: int, cpus: set[int]) -> int:
     """Sets every thread of PID to CPUS; returns how many were set."""
     done = 0
     try:
@@ -97,12 +97,12 @@ def pin_frontend(log: Callable[[str], None]) -> set[int]:
         log("CPUs: not started by tritonserver; the serving threads stay where they are")
         return set()
     workers = allowed - cpus
-    mine = _pin_threads(me.pid, cpus)
-    theirs = _pin_threads(parent.pid, cpus)
+    mine = pin_threads(me.pid, cpus)
+    theirs = pin_threads(parent.pid, cpus)
     # The engine's unbound processes (the scheduler) join the workers.
     unbound = [pid for pid, a in engine if a == allowed]
     for pid in unbound:
-        _pin_threads(pid, workers)
+        pin_threads(pid, workers)
     log(f"CPUs: engine workers on {_cpu_list(workers)}; moved tritonserver's {theirs} threads and this "
         f"stub's {mine} to {_cpu_list(cpus)}, the engine's other {len(unbound)} process(es) to the workers'")
     return cpus
