@@ -239,8 +239,8 @@ def main() -> int:
     cpu: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     probe = StallProbe()
     gateway_cpus: list[list[int]] = []
-    client: set[int] = set()  # where the load generator runs, once the first server showed it
-    client_decided = args.client_cpus == "all"
+    # Where the load generator runs (empty: anywhere); None until the first server shows it.
+    client: set[int] | None = set() if args.client_cpus == "all" else None
     for rnd in range(args.rounds):
         for name in round_order(names, rnd):
             procs_spec, target = paths[name]
@@ -254,9 +254,9 @@ def main() -> int:
                     if cpus:
                         gateway_cpus.append(sorted(cpus))
                     procs.append((label, start(cmd, env, ready, args.out / f"{label}.log", headers, nice, cpus)))
-                if not client_decided:
+                if client is None:
                     # Every thread of this process: the load generator and the stall probe.
-                    client, client_decided = server_client_cpus(procs[0][1]), True
+                    client = server_client_cpus(procs[0][1])
                     if client:
                         pin_threads(os.getpid(), client)
                     print(f"the load generator runs on CPUs {sorted(client) or 'any'}", file=sys.stderr, flush=True)
@@ -284,7 +284,7 @@ def main() -> int:
             "rounds": args.rounds, "workload": workload.__dict__, "max_model_len": MAX_MODEL_LEN,
             "llmhost_settings": BackendSettings().__dict__, "llmhost_setting_overrides": args.setting,
             "server_nice": SERVER_NICE, "gateway_nice": GATEWAY_NICE, "paths": names,
-            "gateway_cpus": gateway_cpus, "client_cpus": sorted(client) or "any",
+            "gateway_cpus": gateway_cpus, "client_cpus": sorted(client or ()) or "any",
             "streaming": {"triton": "HTTP SSE from the backend, one response per engine step unless "
                                     "stream_interval_ms (llmhost_settings) groups them",
                           "gateway": "OpenAI SSE, one chunk per backend response (grouped the same way)",
