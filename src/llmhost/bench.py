@@ -120,7 +120,11 @@ class Target:
     """One kind of endpoint; ``one`` sends a streaming request and times it."""
 
     def __init__(self, kind: str, url: str, model: str, api_key: str | None = None) -> None:
-        self.kind, self.url, self.model = kind, url.rstrip("/"), model
+        url = url.rstrip("/")
+        if kind == "openai":
+            # An OpenAI base URL as clients are given it (`.../v1`) or the server's root.
+            url = url.removesuffix("/v1")
+        self.kind, self.url, self.model = kind, url, model
         self.api_key = api_key  # sent as `Authorization: Bearer` (the llmhost gateway)
         self._session: Any = None
         self._grpc: Any = None
@@ -335,11 +339,19 @@ def _progress(concurrency: int, done: int, total: int | None, elapsed: float) ->
         print(f"\r  c={concurrency:<3} {done} requests {elapsed:6.1f}s", end="", file=sys.stderr)
 
 
+async def warm_up(target: Target) -> None:
+    """One short request so the first level does not pay for it. If it fails, so would
+    every measured one (a wrong URL, kind, model or key): stop before measuring."""
+    sample = await target.one("def warm_up():", 4, True)
+    if not sample.ok:
+        raise RuntimeError(f"the first request to {target.url} ({target.kind}) failed, nothing was measured: "
+                           f"{sample.error}")
+
+
 async def sweep(target: Target, workload: Workload, levels: list[int], progress: bool = True) -> list[LevelResult]:
     await target.open()
     try:
-        # One short warm-up request so the first level does not pay for it.
-        await target.one("def warm_up():", 4, True)
+        await warm_up(target)
         return [await run_level(target, workload, c, progress) for c in levels]
     finally:
         await target.close()
@@ -371,6 +383,8 @@ def sweep_processes(spec: dict[str, Any], workload: Workload, levels: list[int],
             try:
                 i, parts = results_q.get(timeout=1.0)
                 got[i] = parts
+                if isinstance(parts, str):
+                    break  # one failed: the others would wait for it at the next level
             except queue_mod.Empty:
                 dead = [p.name for k, p in enumerate(procs) if k not in got and p.exitcode is not None]
                 if dead:
@@ -414,7 +428,7 @@ async def _client(index: int, processes: int, spec: dict[str, Any], workload: Wo
     target = Target(**spec)
     await target.open()
     try:
-        await target.one("def warm_up():", 4, True)
+        await warm_up(target)
         parts = []
         for c in levels:
             share = shares(c, processes)

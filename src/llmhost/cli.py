@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="OpenAI-compatible API with API keys in front of Triton (see llmhost gateway --help)")
     b = sub.add_parser("bench", help="streaming load test with a concurrency sweep")
     b.add_argument("--url", default="http://127.0.0.1:8000",
-                   help="Triton HTTP URL, Triton gRPC HOST:PORT (--kind grpc) or an OpenAI-compatible base URL")
+                   help="Triton HTTP URL, Triton gRPC HOST:PORT (--kind grpc) or an OpenAI-compatible "
+                        "base URL, with or without /v1 (--kind openai)")
     b.add_argument("--kind", choices=("http", "grpc", "openai"), default="http")
     b.add_argument("--model", default="model")
     b.add_argument("--api-key-file", type=Path, metavar="PATH",
@@ -214,7 +215,7 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         results, client_cpu_s = sweep_processes(spec, workload, args.concurrency, args.processes,
                                                 progress=not args.quiet)
-    except RuntimeError as exc:  # a client process failed (not a failed request: those are counted)
+    except RuntimeError as exc:  # the warm-up request or a client process failed (measured failures are counted)
         print(f"llmhost bench: {exc}", file=sys.stderr)
         return 1
     print(table(results))

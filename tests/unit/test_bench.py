@@ -138,14 +138,20 @@ def test_bad_processes_argument(value, capsys):
     assert "--processes" in capsys.readouterr().err
 
 
-def _fake_triton() -> tuple[str, object]:
-    """A /generate_stream that streams 3 events and reports 3 tokens, on a thread."""
+def _fake_triton(status: int = 200, hits: list[str] | None = None) -> tuple[str, object]:
+    """A /generate_stream that streams 3 events and reports 3 tokens, on a thread; with
+    STATUS other than 200 it answers every request with that status (each request's
+    path appended to HITS)."""
     import asyncio
     import threading
 
     from aiohttp import web
 
     async def handler(request: web.Request) -> web.StreamResponse:
+        if hits is not None:
+            hits.append(request.path)
+        if status != 200:
+            return web.json_response({"error": "no such model"}, status=status)
         body = await request.json()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -192,3 +198,34 @@ def test_two_client_processes_against_a_fake_server(tmp_path):
     assert three["output_tokens_per_s"] > 0 and 0 < three["client_cpu_max_s"] <= three["client_cpu_s"]
     # 3 events of one token each (the fake server's counts: None, None, 3).
     assert one["tokens_per_event"] == three["tokens_per_event"] == 1.0
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_failing_first_request_stops_before_measuring(processes, tmp_path, capsys):
+    """A wrong URL or model fails the warm-up: a clear error and exit 1, not a sweep of
+    failed requests, and no client process left waiting for the others."""
+    from llmhost.cli import main
+
+    hits: list[str] = []
+    url, stop = _fake_triton(status=404, hits=hits)
+    try:
+        out = tmp_path / "r.json"
+        rc = main(["bench", "--url", url, "--model", "m", "--concurrency", "1,4", "--duration", "30",
+                   "--processes", str(processes), "--quiet", "--json", str(out)])
+    finally:
+        stop()  # type: ignore[operator]
+    err = capsys.readouterr().err
+    assert rc == 1 and "failed, nothing was measured: HTTP 404" in err and "no such model" in err
+    assert len(hits) <= processes and not out.exists()
+
+
+@pytest.mark.parametrize(("kind", "url", "expected"), [
+    ("openai", "http://127.0.0.1:18080/v1", "http://127.0.0.1:18080"),
+    ("openai", "http://127.0.0.1:18080/v1/", "http://127.0.0.1:18080"),
+    ("openai", "http://127.0.0.1:18080", "http://127.0.0.1:18080"),
+    ("http", "http://127.0.0.1:8000/", "http://127.0.0.1:8000"),
+])
+def test_an_openai_base_url_is_taken_with_or_without_v1(kind, url, expected):
+    from llmhost.bench import Target
+
+    assert Target(kind, url, "m").url == expected
