@@ -195,6 +195,29 @@ def test_n_completions_each_get_their_outputs(server):
     assert len(whole["cumulative_logprob"]) == 2 and len(whole["text_output"]) == 2
 
 
+def test_sparse_outputs_carry_the_same_facts_in_fewer_tensors(server):
+    """The request parameter sparse_outputs (the gateway sets it): finish_reason only
+    once a completion finished, num_input_tokens in the first and the final response;
+    the same totals and reasons as the dense stream, n=2 included."""
+    asked = {"text_input": PROMPT, "stream": True, "return_finish_reason": True, "return_num_input_tokens": True,
+             "return_num_output_tokens": True, "sampling_parameters": sampling(max_tokens=12, ignore_eos=True, n=2)}
+    dense, error = grpc_stream(server, asked)
+    assert error is None and len(dense) > 2
+    sparse, error = grpc_stream(server, asked, params={"sparse_outputs": True})
+    assert error is None and len(sparse) > 2
+    outs = [_outputs(r) for r in sparse]
+    inputs = [o["num_input_tokens"] for o in outs]
+    assert inputs[0] is not None and inputs[-1] is not None and all(i is None for i in inputs[1:-1]), inputs
+    assert int(inputs[0][0]) == int(inputs[-1][0]) == int(_outputs(dense[0])["num_input_tokens"][0]) > 0
+    reasons = [None if o["finish_reason"] is None else o["finish_reason"].tolist() for o in outs]
+    assert reasons[-1] == [b"length", b"length"] and all(r is None for r in reasons[:-1]), reasons
+    assert all(_outputs(r)["finish_reason"] is not None for r in dense)  # vllm_backend's way, without it
+    totals = [sum(int(o["num_output_tokens"][i]) for o in outs) for i in range(2)]
+    assert totals == [12, 12]
+    bad = generate(server, text_input=PROMPT, max_tokens=2, sparse_outputs="yes")
+    assert bad["_status"] == 400 and "'sparse_outputs' must be true or false" in bad["error"], bad
+
+
 def test_a_stream_cannot_ask_for_the_prompt(server):
     r = requests.post(f"{server.http}/v2/models/{server.name}/generate_stream", timeout=60, json={
         "text_input": PROMPT, "stream": True, "exclude_input_in_output": False, "max_tokens": 4})

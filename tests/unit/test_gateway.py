@@ -185,6 +185,7 @@ def test_build_request_carries_inputs_and_asks_for_the_final_flag():
     names = [t.name for t in msg.inputs]
     assert names[:2] == ["messages", "sampling_parameters"] and "text_input" not in names
     assert msg.parameters["triton_enable_empty_final_response"].bool_param
+    assert msg.parameters["sparse_outputs"].bool_param  # finish_reason/num_input_tokens only where they say something
     raw = dict(zip(names, msg.raw_input_contents, strict=True))
     assert json.loads(raw["sampling_parameters"][4:]) == {"max_tokens": 3}
     assert raw["stream"] == b"\x01" and raw["return_num_output_tokens"] == b"\x01"

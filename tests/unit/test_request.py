@@ -48,6 +48,16 @@ def test_bool_switches_as_inputs_or_parameters():
     assert job.stream and job.return_finish_reason and job.exclude_input
 
 
+def test_sparse_outputs_is_a_request_parameter_not_a_sampling_one():
+    job = parse({"sparse_outputs": True, "return_finish_reason": True}, text_input="hi", stream=True)
+    assert job.sparse_outputs and "sparse_outputs" not in job.sampling
+    assert job.returns() == {"return_finish_reason", "sparse_outputs"}
+    plain = parse({"return_finish_reason": True}, text_input="hi")
+    assert not plain.sparse_outputs and plain.returns() == {"return_finish_reason"}
+    with pytest.raises(RequestError, match="'sparse_outputs' must be true or false, got 'yes'"):
+        parse({"sparse_outputs": "yes"}, text_input="hi")
+
+
 def test_messages_parsed_and_exclude_input_forced():
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]

@@ -303,6 +303,35 @@ def test_a_response_carries_the_outputs_asked_for_with_vllm_backends_types(fake_
     stop(io)
 
 
+def test_sparse_outputs_leave_out_what_says_nothing(fake_pb: None) -> None:
+    """With sparse_outputs, finish_reason goes only where a completion has finished and
+    num_input_tokens only in the first and the final response; the rest as asked."""
+    from llmhost.backend.model import _TritonIO, _TritonSink
+
+    io = make_io(window_s=0.0)
+    pb = sys.modules["triton_python_backend_utils"]
+    asked = frozenset({"return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"})
+    chunks = [Chunk(["a", "b"], ["", ""], 4, [1, 1], False), Chunk(["c", "d"], ["", ""], 4, [1, 1], False),
+              Chunk(["e", ""], ["length", ""], 4, [1, 0], False), Chunk(["", "f"], ["length", "stop"], 4, [0, 1], True)]
+
+    def names(flags: frozenset[str]) -> list[list[str]]:
+        sink = _TritonSink(io, Sender(), flags)
+        return [[t.name for t in _TritonIO._response(pb, sink, c).tensors] for c in chunks]
+
+    every = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
+    assert names(asked) == [every] * 4  # vllm_backend's way: every output on every response
+    assert names(asked | {"sparse_outputs"}) == [
+        ["text_output", "num_input_tokens", "num_output_tokens"],
+        ["text_output", "num_output_tokens"],
+        ["text_output", "finish_reason", "num_output_tokens"],  # the first completion finished
+        every,
+    ]
+    sparse = _TritonSink(io, Sender(), asked | {"sparse_outputs"})
+    last = {t.name: t.value for t in _TritonIO._response(pb, sparse, chunks[-1]).tensors}
+    assert last["finish_reason"].tolist() == [b"length", b"stop"] and last["num_input_tokens"].tolist() == [4]
+    stop(io)
+
+
 class _Exporter:
     """Records what reached Triton's metrics: the deltas applied, in order."""
 

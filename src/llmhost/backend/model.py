@@ -42,7 +42,7 @@ from llmhost.backend.health import UNHEALTHY_MESSAGE, SelfUnload
 from llmhost.backend.images import IMAGE
 from llmhost.backend.lora import find_adapter, with_adapters
 from llmhost.backend.metrics import ServingMetrics, TritonExporter
-from llmhost.backend.outputs import finish_reasons, logprobs_json
+from llmhost.backend.outputs import SPARSE_OUTPUTS, finish_reasons, logprobs_json
 from llmhost.backend.request import (
     BOOL_INPUTS,
     MESSAGES,
@@ -129,13 +129,16 @@ class _MetricsPush:
 class _TritonSink:
     """Sends one request's results; every call only enqueues work for its I/O thread."""
 
-    __slots__ = ("active", "done", "flags", "io", "opened", "sender", "window_s")
+    __slots__ = ("active", "counted", "done", "flags", "io", "opened", "sender", "window_s")
 
     def __init__(self, io: _TritonIO, sender: Any, flags: frozenset[str] = frozenset(),
                  window_s: float | None = None) -> None:
         self.io = io
         self.sender = sender
-        self.flags = flags  # the additional outputs asked for (the names of their return_* inputs)
+        # The additional outputs asked for (the names of their return_* inputs), and
+        # SPARSE_OUTPUTS if they go only where they say something (outputs.py).
+        self.flags = flags
+        self.counted = False  # a response with num_input_tokens was made
         # This stream's window (s): the request's stream_interval_ms, else the model's.
         self.window_s = io.window.window_s if window_s is None else window_s
         self.active: Active | None = None
@@ -311,15 +314,17 @@ class _TritonIO:
     def _response(pb: Any, sink: _TritonSink, chunk: Chunk) -> Any:
         """The response's tensors: text_output and the additional outputs asked for (outputs.py)."""
         flags = sink.flags
+        dense = SPARSE_OUTPUTS not in flags
         tensors = [pb.Tensor("text_output", _strings(chunk.texts))]
-        if "return_finish_reason" in flags:
+        if "return_finish_reason" in flags and (dense or chunk.final or any(chunk.finish_reasons)):
             tensors.append(pb.Tensor("finish_reason", _strings(finish_reasons(chunk.finish_reasons))))
         if "return_cumulative_logprob" in flags:
             values = [np.nan if v is None else v for v in chunk.cumulative_logprobs]
             tensors.append(pb.Tensor("cumulative_logprob", np.array(values, dtype=np.float32)))
         if "return_logprobs" in flags:
             tensors.append(pb.Tensor("logprobs", _strings(logprobs_json(chunk.logprobs))))
-        if "return_num_input_tokens" in flags:
+        if "return_num_input_tokens" in flags and (dense or chunk.final or not sink.counted):
+            sink.counted = True
             tensors.append(pb.Tensor("num_input_tokens", np.array([chunk.num_input_tokens], dtype=np.uint32)))
         if "return_num_output_tokens" in flags:
             tensors.append(pb.Tensor("num_output_tokens", np.array(chunk.num_output_tokens, dtype=np.uint32)))

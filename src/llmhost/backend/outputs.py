@@ -14,6 +14,11 @@ input asked for it, on every response of the request, one element per completion
   not given;
 - ``num_input_tokens`` (UINT32, one element): the prompt's tokens;
 - ``num_output_tokens`` (UINT32): the completion's tokens in this response.
+
+A request that sets the request parameter ``sparse_outputs`` (an llmhost extension; the
+gateway sets it) gets ``finish_reason`` only in the responses where a completion has
+finished, and ``num_input_tokens`` only in its first and its final response: the same
+information in fewer tensors, as each one costs the stub and tritonserver per response.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 UNFINISHED = "None"
+# The request parameter asking for sparse outputs (above).
+SPARSE_OUTPUTS = "sparse_outputs"
 # One position's log probabilities: token id (a string, as JSON keys are) -> its entry.
 Position = dict[str, dict[str, Any]]
 

@@ -17,6 +17,7 @@ from llmhost.backend.errors import RequestError
 from llmhost.backend.images import IMAGE, parse_images
 from llmhost.backend.limits import MAX_PARAMETERS_BYTES
 from llmhost.backend.lora import request_lora_name
+from llmhost.backend.outputs import SPARSE_OUTPUTS
 from llmhost.backend.sampling import validate_sampling
 
 TEXT_INPUT = "text_input"
@@ -78,6 +79,8 @@ class GenerateJob:
     return_logprobs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    # finish_reason and num_input_tokens only where they say something (outputs.py).
+    sparse_outputs: bool = False
     # The stream's own interval in ms (None: the model's stream_interval_ms).
     stream_interval_ms: float | None = None
     extras: dict[str, Any] = field(default_factory=dict)
@@ -92,8 +95,10 @@ class GenerateJob:
     images: list[bytes] = field(default_factory=list)
 
     def returns(self) -> frozenset[str]:
-        """The additional outputs asked for, as the names of their return_* inputs."""
-        return frozenset(name for name in RETURN_FLAGS if getattr(self, name))
+        """The additional outputs asked for, as the names of their return_* inputs,
+        and SPARSE_OUTPUTS if they are to be sent sparsely."""
+        asked = {name for name in RETURN_FLAGS if getattr(self, name)}
+        return frozenset(asked | {SPARSE_OUTPUTS} if self.sparse_outputs else asked)
 
 
 def client_id(raw: object) -> str:
@@ -266,6 +271,9 @@ def parse_request(
             if not isinstance(value, bool):
                 raise RequestError(f"'{name}' must be true or false, got {value!r}")
             flags.setdefault(name, value)
+    sparse = params.pop(SPARSE_OUTPUTS, False)
+    if not isinstance(sparse, bool):
+        raise RequestError(f"'{SPARSE_OUTPUTS}' must be true or false, got {sparse!r}")
     interval = stream_interval(params.pop(STREAM_INTERVAL)) if STREAM_INTERVAL in params else None
     stream = flags.get(STREAM, False)
     if stream and flags.get(EXCLUDE_INPUT) is False:
@@ -282,6 +290,7 @@ def parse_request(
         exclude_input=flags.get(EXCLUDE_INPUT, settings.exclude_input_in_output) or messages is not None,
         sampling=sampling,
         **{name: flags.get(name, False) for name in RETURN_FLAGS},
+        sparse_outputs=sparse,
         stream_interval_ms=interval,
         prompt_bytes=prompt_bytes,
         lora_name=lora_name,

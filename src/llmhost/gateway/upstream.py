@@ -63,6 +63,9 @@ def build_request(req: BackendRequest, request_id: str) -> Any:
     """The ModelInferRequest for one backend request (inputs as raw contents)."""
     msg = service_pb2.ModelInferRequest(model_name=req.model, id=request_id)
     msg.parameters["triton_enable_empty_final_response"].bool_param = True
+    # finish_reason and num_input_tokens only in the responses where they say
+    # something (llmhost.backend.outputs): fewer tensors per token for the stub.
+    msg.parameters["sparse_outputs"].bool_param = True
     text = req.text_input if req.text_input is not None else json.dumps(req.messages)
     tensors: list[tuple[str, str, bytes]] = [
         ("text_input" if req.text_input is not None else "messages", "BYTES",
