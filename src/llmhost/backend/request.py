@@ -215,6 +215,16 @@ def stream_interval(value: Any) -> float:
     return out
 
 
+def _pop_bool(params: dict[str, Any], name: str) -> bool | None:
+    """Take the boolean request parameter NAME out of PARAMS (None: not given)."""
+    if name not in params:
+        return None
+    value = params.pop(name)
+    if not isinstance(value, bool):
+        raise RequestError(f"'{name}' must be true or false, got {value!r}")
+    return value
+
+
 def _parameters_too_big(size: int) -> RequestError:
     return RequestError(f"input 'sampling_parameters' is {size} bytes; at most {MAX_PARAMETERS_BYTES} are allowed")
 
@@ -266,14 +276,9 @@ def parse_request(
     # Boolean switches may also come as request parameters (HTTP generate sends
     # unknown JSON keys that way); inputs win.
     for name in BOOL_INPUTS:
-        if name in params:
-            value = params.pop(name)
-            if not isinstance(value, bool):
-                raise RequestError(f"'{name}' must be true or false, got {value!r}")
+        if (value := _pop_bool(params, name)) is not None:
             flags.setdefault(name, value)
-    sparse = params.pop(SPARSE_OUTPUTS, False)
-    if not isinstance(sparse, bool):
-        raise RequestError(f"'{SPARSE_OUTPUTS}' must be true or false, got {sparse!r}")
+    sparse = _pop_bool(params, SPARSE_OUTPUTS) or False
     interval = stream_interval(params.pop(STREAM_INTERVAL)) if STREAM_INTERVAL in params else None
     stream = flags.get(STREAM, False)
     if stream and flags.get(EXCLUDE_INPUT) is False:
