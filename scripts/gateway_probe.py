@@ -87,13 +87,13 @@ def upstream_connections(g: speed.Gateway, port: int) -> int:
 
 
 def bench(kind: str, url: str, key: Path | None, levels: str, duration: float, processes: int,
-          out: Path, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+          out: Path) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-m", "llmhost.cli", "bench", "--kind", kind, "--url", url, "--model", speed.NAME,
            "--concurrency", levels, "--duration", str(duration), "--prompt-words", "64", "--output-tokens", "128",
            "--processes", str(processes), "--quiet", "--json", str(out)]
     if key is not None:
         cmd += ["--api-key-file", str(key)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     rows = []
     for lv in json.loads(out.read_text())["levels"]:
         rows.append({"c": lv["concurrency"], "tok_s": round(lv["output_tokens_per_s"]),
@@ -140,21 +140,21 @@ def main() -> int:
         log(f"triton ready after {triton.start()} s")
         log(f"gateway ready after {gw.start()} s")
         grpc_url = f"127.0.0.1:{triton.port + 1}"
-        sides: dict[str, tuple[str, str, Path | None, speed.Gateway | None, dict[str, str]]] = {
-            "http": ("http", triton.url, None, None, {}), "grpc": ("grpc", grpc_url, None, None, {}),
-            "gateway": ("openai", gw.url, gw.key_file, gw, {})}
+        sides: dict[str, tuple[str, str, Path | None, speed.Gateway | None]] = {
+            "http": ("http", triton.url, None, None), "grpc": ("grpc", grpc_url, None, None),
+            "gateway": ("openai", gw.url, gw.key_file, gw)}
         bench("http", triton.url, None, "16", 3, args.processes, args.work / "warm.json")
         names = list(sides)
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             rnd: dict[str, Any] = {"order": order}
             for name in order:
-                kind, url, key, g, extra = sides[name]
+                kind, url, key, g = sides[name]
                 cpu0 = sum(g.cpu_s().values()) if g else None
                 server0 = triton.cpu_s()
                 offset = g.logfile.stat().st_size if g else 0
                 path = args.work / f"r{r}-{name}.json"
-                rows = bench(kind, url, key, args.levels, args.duration, args.processes, path, extra)
+                rows = bench(kind, url, key, args.levels, args.duration, args.processes, path)
                 server1 = triton.cpu_s()
                 rnd[name] = {"levels": rows, "server_cpu_s": {k: round(v - server0.get(k, 0.0), 2)
                                                               for k, v in server1.items()}}
