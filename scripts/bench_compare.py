@@ -195,6 +195,8 @@ def main() -> int:
     ap.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
                     help="a backend setting for the Triton paths (llmhost serve --setting), repeatable")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"which to run, of {', '.join(PATHS)}")
+    ap.add_argument("--gateway-arg", action="append", default=[], metavar="--FLAG=VALUE",
+                    help="a flag for `llmhost gateway` on the gateway path, repeatable (e.g. --event-loop=asyncio)")
     ap.add_argument("--client-cpus", choices=("auto", "all"), default="auto",
                     help="auto: run the load generator on the CPUs the first server's vLLM workers leave "
                          "free, for every path (all: anywhere, as runs before this option did)")
@@ -218,7 +220,8 @@ def main() -> int:
     keys_file = work / "gateway-keys.yml"
     write_bench_key(keys_file, key)
     gateway_cmd = [str(bin_dir / "llmhost"), "gateway", *gateway_args(
-        "127.0.0.1:18801", "127.0.0.1:18820", "127.0.0.1:18821", keys_file, "tiny", max(levels) * 2)]
+        "127.0.0.1:18801", "127.0.0.1:18820", "127.0.0.1:18821", keys_file, "tiny", max(levels) * 2),
+        *args.gateway_arg]
     vllm_cmd = [str(bin_dir / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "18810", "--enforce-eager",
                 "--dtype", "bfloat16", "--disable-log-stats", *engine]
@@ -283,6 +286,7 @@ def main() -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
             "rounds": args.rounds, "workload": workload.__dict__, "max_model_len": MAX_MODEL_LEN,
             "llmhost_settings": BackendSettings().__dict__, "llmhost_setting_overrides": args.setting,
+            "gateway_arg_overrides": args.gateway_arg,
             "server_nice": SERVER_NICE, "gateway_nice": GATEWAY_NICE, "paths": names,
             "gateway_cpus": gateway_cpus, "client_cpus": sorted(client or ()) or "any",
             "streaming": {"triton": "HTTP SSE from the backend, one response per engine step unless "

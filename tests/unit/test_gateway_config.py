@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmhost.gateway import config as config_module
-from llmhost.gateway.cli import build_parser, check_tls, settings, uvicorn_configs
+from llmhost.gateway.cli import build_parser, check_loop, check_tls, run, settings, uvicorn_configs
 from llmhost.gateway.config import ConfigError, GatewayConfig, parse_config
 from tests.unit._gateway_fakes import KEY, self_signed
 
@@ -29,6 +29,7 @@ def test_the_documented_example_is_a_valid_config():
     assert (got["max_concurrent_upstream"], got["max_queue"], got["queue_timeout_s"]) == (128, 512, 30.0)
     assert (got["health_interval_s"], got["health_timeout_s"], got["drain_timeout_s"]) == (2.0, 2.0, 30.0)
     assert got["tls_cert"] == Path("/etc/llmhost/gateway.crt") and got["tls_key"] == Path("/etc/llmhost/gateway.key")
+    assert got["event_loop"] == "asyncio"
     GatewayConfig(**got)
 
 
@@ -53,6 +54,7 @@ def test_relative_paths_are_relative_to_the_config_file(tmp_path):
     ("listen: 18080\n", "listen must be HOST:PORT"),
     ("max_body_bytes: true\n", "max_body_bytes must be a positive integer"),
     ("log_level: loud\n", "log_level must be one of"),
+    ("event_loop: trio\n", "event_loop must be one of asyncio, uvloop"),
     ("keys_file: 3\n", "keys_file must be a path"),
     ("- a\n", "must be a mapping"),
     ("a: [\n", "not valid YAML"),
@@ -143,10 +145,44 @@ def test_a_good_certificate_and_key_pass_and_reach_uvicorn(tmp_path):
 
 @pytest.mark.parametrize("bad", [["--max-queue", "-1"], ["--queue-timeout-s", "0"], ["--max-concurrent-upstream", "0"],
                                  ["--health-interval-s", "soon"], ["--health-timeout-s", "-1"],
-                                 ["--drain-timeout-s", "nan"], ["--metrics-listen", "18081"]])
+                                 ["--drain-timeout-s", "nan"], ["--metrics-listen", "18081"],
+                                 ["--event-loop", "trio"]])
 def test_bad_flags_are_refused_by_name(capsys, bad):
     from llmhost.cli import main
 
     with pytest.raises(SystemExit) as info:
         main(["gateway", "--keys-file", "/k", "--model", "m", *bad])
     assert info.value.code == 2 and bad[0] in capsys.readouterr().err
+
+
+def test_the_event_loop_is_asyncio_unless_uvloop_is_asked_for(tmp_path):
+    assert settings(_args("--keys-file", "/k", "--model", "m")).event_loop == "asyncio"
+    path = tmp_path / "gateway.yml"
+    path.write_text("event_loop: uvloop\n")
+    assert settings(_args("--config", str(path), "--keys-file", "/k", "--model", "m")).event_loop == "uvloop"
+    assert settings(_args("--config", str(path), "--keys-file", "/k", "--model", "m",
+                          "--event-loop", "asyncio")).event_loop == "asyncio"
+    check_loop("uvloop")  # installed in the test venv
+    seen = []
+
+    async def which() -> None:
+        import asyncio
+
+        seen.append(type(asyncio.get_running_loop()).__module__.split(".")[0])
+
+    run(which(), "uvloop")
+    run(which(), "asyncio")
+    assert seen == ["uvloop", "asyncio"]
+
+
+def test_uvloop_asked_for_but_not_installed_is_a_clear_error(monkeypatch, tmp_path, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop -> ImportError
+    check_loop("asyncio")
+    with pytest.raises(ConfigError, match="uvloop is not installed"):
+        check_loop("uvloop")
+    keys = tmp_path / "keys.yml"
+    keys.write_text("keys: []\n")
+    code, err = _main(["--keys-file", str(keys), "--model", "m", "--event-loop", "uvloop"], capsys)
+    assert code == 2 and "--event-loop uvloop" in err and "Traceback" not in err

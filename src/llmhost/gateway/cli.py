@@ -11,13 +11,14 @@ import asyncio
 import contextlib
 import ssl
 import sys
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from llmhost.gateway.config import (
     DEFAULT_MAX_BODY_BYTES,
+    EVENT_LOOPS,
     LOG_LEVELS,
     ConfigError,
     GatewayConfig,
@@ -100,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout-s", type=_seconds, metavar="S",
                    help=f"on SIGTERM, requests in flight get this long to finish (default {d.drain_timeout_s:g})")
     p.add_argument("--log-level", choices=LOG_LEVELS)
+    p.add_argument("--event-loop", choices=EVENT_LOOPS,
+                   help=f"asyncio's own event loop or uvloop (default {d.event_loop})")
     return p
 
 
@@ -145,6 +148,26 @@ def settings(args: argparse.Namespace) -> GatewayConfig:
     return config
 
 
+def check_loop(name: str) -> None:
+    """ConfigError when the event loop NAME (asyncio or uvloop) cannot be had here."""
+    if name == "uvloop":
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            raise ConfigError("--event-loop uvloop (event_loop: uvloop): uvloop is not installed in this "
+                              "Python environment; install it, or use asyncio") from None
+
+
+def run(main: Coroutine[Any, Any, None], loop: str) -> None:
+    """MAIN to its end on a new event loop of kind LOOP (uvloop or asyncio)."""
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
 def check_tls(config: GatewayConfig) -> None:
     """Both TLS files readable and a matching certificate and key; ConfigError names the file."""
     if config.tls_cert is None or config.tls_key is None:
@@ -170,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = settings(args)
         check_tls(config)
+        check_loop(config.event_loop)
     except ConfigError as exc:
         print(f"llmhost gateway: {exc}", file=sys.stderr)
         return 2
@@ -191,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     scheme = "https" if config.tls_cert is not None else "http"
     print(f"llmhost gateway: OpenAI API on {scheme}://{join_host_port(config.listen)}/v1 for "
           f"{', '.join(config.models)} via {', '.join(config.upstreams)}; {len(keys)} key(s); metrics on "
-          f"http://{join_host_port(config.metrics_listen)}/metrics", file=sys.stderr, flush=True)
-    asyncio.run(_serve(app, metrics, config))
+          f"http://{join_host_port(config.metrics_listen)}/metrics; event loop "
+          f"{config.event_loop}", file=sys.stderr, flush=True)
+    run(_serve(app, metrics, config), config.event_loop)
     return 0
 
 

@@ -12,6 +12,7 @@ unknown key is refused by name. Relative paths are relative to the file's folder
     max_body_bytes: 8388608            # --max-body-bytes; larger bodies: 413
     drain_timeout_s: 30                # --drain-timeout-s; on SIGTERM, in-flight requests get this long
     log_level: warning                 # --log-level: critical, error, warning, info, debug
+    event_loop: asyncio                # --event-loop: asyncio (its own loop) or uvloop
     health:
       interval_s: 2                    # --health-interval-s; ModelReady on every upstream this often
       timeout_s: 2                     # --health-timeout-s; each check's timeout
@@ -38,6 +39,9 @@ from typing import Any
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_UPSTREAM = "127.0.0.1:8001"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# asyncio's own event loop, or uvloop (if installed). No consistent difference was
+# measured between them (docs/performance.md), so the default stays asyncio's.
+EVENT_LOOPS = ("asyncio", "uvloop")
 
 
 class ConfigError(ValueError):
@@ -66,6 +70,7 @@ class GatewayConfig:
     keys_file: Path | None = None
     drain_timeout_s: float = 30.0
     log_level: str = "warning"
+    event_loop: str = "asyncio"
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     max_concurrent_upstream: int = 128
@@ -80,8 +85,10 @@ _TOP: dict[str, tuple[str, str]] = {
     "upstreams": ("upstreams", "host_ports"), "models": ("models", "names"), "listen": ("listen", "host_port"),
     "metrics_listen": ("metrics_listen", "host_port"), "keys_file": ("keys_file", "path"),
     "max_body_bytes": ("max_body_bytes", "positive_int"), "drain_timeout_s": ("drain_timeout_s", "positive"),
-    "log_level": ("log_level", "log_level"),
+    "log_level": ("log_level", "log_level"), "event_loop": ("event_loop", "event_loop"),
 }
+# Kinds whose value is one of a few names.
+_CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "event_loop": EVENT_LOOPS}
 _SECTIONS: dict[str, dict[str, tuple[str, str]]] = {
     "health": {"interval_s": ("health_interval_s", "positive"), "timeout_s": ("health_timeout_s", "positive")},
     "limits": {"max_concurrent_upstream": ("max_concurrent_upstream", "positive_int"),
@@ -111,9 +118,9 @@ def _value(where: str, kind: str, raw: Any, base: Path) -> Any:
         if not isinstance(raw, str) or not raw:
             raise bad("a path")
         return base / Path(raw).expanduser()
-    if kind == "log_level":
-        if raw not in LOG_LEVELS:
-            raise bad(f"one of {', '.join(LOG_LEVELS)}")
+    if (choices := _CHOICES.get(kind)) is not None:
+        if raw not in choices:
+            raise bad(f"one of {', '.join(choices)}")
         return raw
     if kind == "host_port":
         try:
