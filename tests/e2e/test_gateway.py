@@ -164,17 +164,25 @@ def test_async_streaming_completions(aclient, server):
 
 
 def test_async_chat_stream_n2(aclient, server):
-    async def run() -> dict[int, str]:
+    async def once() -> tuple[dict[int, str], dict[int, list[str]]]:
         out: dict[int, str] = {0: "", 1: ""}
+        reasons: dict[int, list[str]] = {0: [], 1: []}
         stream = await aclient.chat.completions.create(model=server.name, messages=_chat(), max_tokens=6, n=2,
                                                        stream=True, seed=3, extra_body={"ignore_eos": True})
         async for c in stream:
             for choice in c.choices:
                 out[choice.index] += choice.delta.content or ""
-        return out
+                if choice.finish_reason:
+                    reasons[choice.index].append(choice.finish_reason)
+        return out, reasons
 
-    out = asyncio.run(run())
-    assert out[0] and out[1]
+    async def run() -> list[tuple[dict[int, str], dict[int, list[str]]]]:
+        # The two completions finish in one response or in two (one step apart).
+        return [await once() for _ in range(4)]
+
+    for out, reasons in asyncio.run(run()):
+        assert out[0] and out[1]
+        assert reasons == {0: ["length"], 1: ["length"]}, reasons  # once per choice
 
 
 def test_seed_is_deterministic(client, server):

@@ -259,6 +259,22 @@ def test_completion_chunks_without_usage_and_with_n2():
 
 
 @pytest.mark.parametrize("chat", [True, False])
+def test_a_choice_finished_before_the_others_gets_its_finish_reason_once(chat):
+    """With n=2 the backend may finish one completion a response before the other; its
+    reason then comes again in the later responses (finish_reason [length, None], then
+    [length, length]). Each choice gets one chunk with a finish_reason, as from vLLM."""
+    body: dict[str, Any] = {"model": "m", "stream": True, "n": 2, "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "p"}]} if chat else {"prompt": "p"})
+    req = _map(json.dumps(body).encode(), chat=chat)
+    events = _collect(req, [Piece(["a", "b"], [], 2, [1, 1], False),
+                            Piece(["c", "d"], ["length", "None"], None, [1, 1], False),
+                            Piece(["", "e"], ["length", "length"], 2, [0, 1], True)])
+    reasons = [(c["index"], c["finish_reason"]) for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
+    assert reasons == [(0, "length"), (1, "length")], events
+    assert events[-2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+
+
+@pytest.mark.parametrize("chat", [True, False])
 def test_chunks_are_compact_json_even_with_a_model_name_that_looks_like_json(chat):
     # Each chunk's envelope is encoded once per request: its bytes must still be
     # exactly json.dumps of the whole chunk, whatever the strings hold.

@@ -16,9 +16,10 @@ input asked for it, on every response of the request, one element per completion
 - ``num_output_tokens`` (UINT32): the completion's tokens in this response.
 
 A request that sets the request parameter ``sparse_outputs`` (an llmhost extension; the
-gateway sets it) gets ``finish_reason`` only in the responses where a completion has
-finished, and ``num_input_tokens`` only in its first and its final response: the same
-information in fewer tensors, as each one costs the stub and tritonserver per response.
+gateway sets it) gets ``finish_reason`` only from the response in which a completion
+first finished (with ``n`` > 1 the others may finish in later ones), and
+``num_input_tokens`` only in its first and its final response: the same information
+in fewer tensors, as each one costs the stub and tritonserver per response.
 """
 
 from __future__ import annotations

@@ -123,12 +123,14 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
                 except StopAsyncIteration:
                     break
             piece = pieces.pop()
-            before = list(acc.num_output)
+            before, finished = list(acc.num_output), list(acc.reasons)
             acc.add(piece)
             choices = []
             for i in range(req.n):
                 text = piece.texts[i] if i < len(piece.texts) else ""
-                reason = _finish(piece.finish_reasons, i)
+                # Once per choice: a completion that finished before the others keeps
+                # its reason in the backend's later responses.
+                reason = None if finished[i] is not None else _finish(piece.finish_reasons, i)
                 # A completion's new tokens get a chunk even while their text is still
                 # an incomplete character (as vLLM's server does); chat sends content only.
                 grew = not req.chat and acc.num_output[i] > before[i]
