@@ -124,7 +124,10 @@ def test_engine_core_killed_mid_stream_fails_clearly_then_serve_restarts(tiny_mo
         client.join(NOTICE_BOUND_S)
         assert not client.is_alive(), "the stream in flight hung after the EngineCore died"
         notice_s = stream.ended_at - t0
-        assert stream.error is not None and "the model's engine stopped" in stream.error, stream.error
+        if stream.error is None or "the model's engine stopped" not in stream.error:
+            time.sleep(5)  # then the server's log says how the old tritonserver ended
+            pytest.fail(f"the stream ended {notice_s:.1f} s after the kill with {stream.error!r}, not the "
+                        f"engine-stopped error; the server's log:\n{srv.log_tail(150)}")
         assert "killed by SIGKILL" in stream.error and "restarting" in stream.error, stream.error
         assert "Traceback" not in stream.error and "/" not in stream.error.split("stopped", 1)[1], stream.error
 
