@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -208,7 +209,7 @@ def main() -> int:
                                            stdout=logf, stderr=subprocess.STDOUT)
                 rows = bench(kind, url, key, args.levels, args.duration, args.processes, path)
                 if spy is not None:
-                    spy.send_signal(2)
+                    spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
                     spy.wait(60)
                 server1 = triton.cpu_s()
                 rnd[name] = {"levels": rows, "server_cpu_s": {k: round(v - server0.get(k, 0.0), 2)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_gpu_gateway_probe_2026_11_26 import level, load
+from tests.unit.test_gpu_gateway_probe_2026_11_26 import level, load, round_cpu_ms_per_token
 
 NAMES = ("6-stream-reuse", "7-stream-reuse-b")
 SIDES = ("http", "gateway", "gateway-reuse")
@@ -28,8 +28,7 @@ def ttft(rnd: dict[str, Any], side: str, c: int) -> float:
 
 
 def cpu_ms_per_token(rnd: dict[str, Any], side: str) -> float:
-    tokens = sum(lv["tok_s"] * DURATION_S for lv in rnd[side]["levels"])
-    return float(rnd[side]["gateway_cpu_s"]) / tokens * 1000
+    return round_cpu_ms_per_token(rnd, side, DURATION_S)
 
 
 @pytest.mark.parametrize("name", NAMES)
