@@ -8,7 +8,10 @@ import pytest
 from tests.harness.server import Server, start_server, wait_gone
 
 
-@pytest.fixture(scope="session")
+# Package scope: the server stops once the e2e tests are done, so it does not hold
+# memory and CPU through the system tests that follow (several hosts, each with
+# its own tritonserver and vLLM, on two cores).
+@pytest.fixture(scope="package")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # Two response threads, so every e2e test also covers streams spread over
     # several I/O threads (the default is one); fresh_metrics, so tests that read

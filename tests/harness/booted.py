@@ -35,6 +35,17 @@ class HostError(RuntimeError):
     """The test host tool failed; the message carries its stderr."""
 
 
+@dataclass(frozen=True)
+class Stop:
+    """How ``BootedHost.stop_unit`` went: its length, the unit's Result after it
+    ("success", "timeout", ...), and the unit's processes (``unit_report``) when the
+    stop was still going after one TimeoutStopSec, else empty."""
+
+    seconds: float
+    result: str
+    report: str
+
+
 def _seconds(span: str) -> float:
     """systemd's time span as `systemctl show` prints it ("1min 15s", "75s", "infinity")."""
     if span == "infinity":
@@ -163,24 +174,55 @@ class BootedHost:
             raise HostError(f"in {self.name}: {argv} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         return proc
 
-    def stop_unit(self, unit: str) -> float:
-        """``systemctl stop UNIT`` as an operator would, bounded by what the unit itself
-        promises: each of systemd's stop phases (ExecStop, SIGTERM, SIGKILL) lasts at
-        most its TimeoutStopSec. Returns the seconds the stop took; past that bound (and
-        a minute more), fails with the unit's status, processes and journal."""
+    def stop_unit(self, unit: str) -> Stop:
+        """``systemctl stop UNIT`` as an operator would, bounded by what systemd itself
+        promises: each of its stop phases lasts at most the unit's TimeoutStopSec, and
+        there are five when processes outlive SIGKILL (ExecStop, SIGTERM, SIGKILL, then
+        the final SIGTERM and SIGKILL; systemd then gives up and marks the unit failed).
+        Returns how the stop went; a stop still going after one TimeoutStopSec gets a
+        report of the unit's processes then (see unit_report). Past the bound (and a
+        minute more), fails with that report."""
         timeout_us = self.exec(["systemctl", "show", "-p", "TimeoutStopUSec", "--value", unit], check=True)
-        bound = 3 * _seconds(timeout_us.stdout.strip()) + 60
+        phase = _seconds(timeout_us.stdout.strip())
+        bound = 5 * phase + 60
         began = time.monotonic()
+        report = ""
         self.exec(["systemctl", "stop", "--no-block", unit], check=True, timeout=60)
         while time.monotonic() - began < bound:
             state = self.exec(["systemctl", "show", "-p", "ActiveState", "--value", unit], timeout=60).stdout.strip()
             if state in ("inactive", "failed"):
-                return time.monotonic() - began
+                result = self.exec(["systemctl", "show", "-p", "Result", "--value", unit], timeout=60).stdout.strip()
+                return Stop(seconds=time.monotonic() - began, result=result, report=report)
+            if not report and time.monotonic() - began > phase:
+                report = self.unit_report(unit)
             time.sleep(1)
-        why = self.exec(f"systemctl status --no-pager {unit}; ps -eo pid,ppid,stat,etime,pcpu,comm --forest; "
-                        f"journalctl -u {unit} -n 120 --no-pager -o short-precise", timeout=60)
         raise HostError(f"in {self.name}: `systemctl stop {unit}` not done after {bound:.0f} s "
-                        f"(3 x TimeoutStopSec + 60 s):\n{why.stdout[-12000:]}\n{why.stderr[-2000:]}")
+                        f"(5 x TimeoutStopSec + 60 s):\n{self.unit_report(unit)}")
+
+    def unit_report(self, unit: str) -> str:
+        """What to read when a unit misbehaves: its status and journal, then each of its
+        processes with its state, the threads not sleeping interruptibly (state, kernel
+        wait channel) and its kernel stack: a process that outlives SIGKILL shows where
+        the kernel holds it."""
+        script = f"""
+systemctl status --no-pager {unit} | head -20
+journalctl -u {unit} -n 60 --no-pager -o short-precise
+cg=$(systemctl show -p ControlGroup --value {unit})
+procs=/sys/fs/cgroup$cg/cgroup.procs
+[ -r "$procs" ] || procs=/sys/fs/cgroup/systemd$cg/cgroup.procs
+echo "--- processes of {unit} ($procs)"
+for p in $(cat "$procs" 2>/dev/null); do
+  echo "== pid $p: $(tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | cut -c1-160 | sed 's/ *$//')"
+  grep -E '^(State|PPid|Threads|VmRSS)' /proc/$p/status 2>/dev/null | tr '\\n\\t' '  '; echo
+  for t in /proc/$p/task/*; do
+    st=$(cut -d' ' -f3 $t/stat 2>/dev/null)
+    [ "$st" = S ] || echo "   thread ${{t##*/}} $st $(cat $t/wchan 2>/dev/null) $(cat $t/comm 2>/dev/null)"
+  done
+  sed 's/^/   /' /proc/$p/stack 2>&1 | head -25
+done
+"""
+        why = self.exec(["sh", "-c", script], timeout=60)
+        return f"{why.stdout[-16000:]}\n{why.stderr[-2000:]}"
 
     def popen(self, cmd: str) -> subprocess.Popen[str]:
         """Start ``sh -c CMD`` inside the host without waiting; its stdin, stdout and

@@ -31,7 +31,7 @@ class Replay:
     at: float
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once the monitoring tests are done
 def replay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replay]:
     work = tmp_path_factory.mktemp("prometheus-replay")
     # Whole hours in the past: the samples land in completed blocks.

@@ -26,6 +26,7 @@ import secrets
 import subprocess
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -156,8 +157,7 @@ def test_stopping_one_hosts_tritonserver_loses_no_request(pair: Pair):
             t.start()
         time.sleep(5)
         stop_began = time.monotonic()
-        a_host.stop_unit("tritonserver")
-        stopped = time.monotonic()
+        stop = a_host.stop_unit("tritonserver")
         _wait_for("the gateway sees A down", lambda: _upstream_up(pair).get(pair.a_upstream) == 0.0)
         b_at_down = _served(pair.b)
         time.sleep(10)  # A stays down while the load goes on
@@ -179,8 +179,13 @@ def test_stopping_one_hosts_tritonserver_loses_no_request(pair: Pair):
     results = [r for load in loads for r in load.results]
     after = [r for r in results if r[0] >= stop_began]
     failed = [r for r in after if r[1] != 200 or not r[2]]
-    print(f"\nA's tritonserver stopped in {stopped - stop_began:.1f} s; {len(results)} requests through the gateway, "
-          f"{len(after)} started after the stop began, {len(failed)} of those failed")
+    print(f"\nA's tritonserver stopped in {stop.seconds:.1f} s (Result={stop.result}); {len(results)} requests "
+          f"through the gateway, {len(after)} started after the stop began, {len(failed)} of those failed")
+    if stop.report:
+        # Not what this test is about (the stop's length depends on this machine's two
+        # cores, shared with B's load), so a warning: it says where the time went.
+        warnings.warn(f"A's tritonserver took {stop.seconds:.0f} s to stop (Result={stop.result}); "
+                      f"after one TimeoutStopSec:\n{stop.report}", stacklevel=1)
     assert len(after) >= 8, f"too few requests during the stop to show anything: {len(after)}"
     assert not failed, failed[:5]
     assert b_served_while_a_down >= 1, "B served nothing while A was down"
