@@ -174,6 +174,20 @@ class BootedHost:
             raise HostError(f"in {self.name}: {argv} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         return proc
 
+    def unit_props(self, unit: str, *names: str, timeout: float = 300.0) -> dict[str, str]:
+        """The unit's properties NAMES, read in one ``systemctl show``."""
+        r = self.exec(["systemctl", "show", unit, *[f"--property={n}" for n in names]], check=True, timeout=timeout)
+        return dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+
+    def unit_pids(self, unit: str) -> set[int]:
+        """Every process in the unit's control group (any cgroup layout)."""
+        cg = self.unit_props(unit, "ControlGroup")["ControlGroup"]
+        if not cg:
+            return set()
+        r = self.exec(f"for d in /sys/fs/cgroup/unified /sys/fs/cgroup/systemd /sys/fs/cgroup; do "
+                      f"f=$d{cg}/cgroup.procs; if [ -r $f ]; then cat $f; exit 0; fi; done")
+        return {int(p) for p in r.stdout.split()}
+
     def stop_unit(self, unit: str) -> Stop:
         """``systemctl stop UNIT`` as an operator would, bounded by what systemd itself
         promises: each of its stop phases lasts at most the unit's TimeoutStopSec, and
@@ -182,17 +196,15 @@ class BootedHost:
         Returns how the stop went; a stop still going after one TimeoutStopSec gets a
         report of the unit's processes then (see unit_report). Past the bound (and a
         minute more), fails with that report."""
-        timeout_us = self.exec(["systemctl", "show", "-p", "TimeoutStopUSec", "--value", unit], check=True)
-        phase = _seconds(timeout_us.stdout.strip())
+        phase = _seconds(self.unit_props(unit, "TimeoutStopUSec", timeout=60)["TimeoutStopUSec"])
         bound = 5 * phase + 60
         began = time.monotonic()
         report = ""
         self.exec(["systemctl", "stop", "--no-block", unit], check=True, timeout=60)
         while time.monotonic() - began < bound:
-            state = self.exec(["systemctl", "show", "-p", "ActiveState", "--value", unit], timeout=60).stdout.strip()
-            if state in ("inactive", "failed"):
-                result = self.exec(["systemctl", "show", "-p", "Result", "--value", unit], timeout=60).stdout.strip()
-                return Stop(seconds=time.monotonic() - began, result=result, report=report)
+            state = self.unit_props(unit, "ActiveState", "Result", timeout=60)
+            if state["ActiveState"] in ("inactive", "failed"):
+                return Stop(seconds=time.monotonic() - began, result=state["Result"], report=report)
             if not report and time.monotonic() - began > phase:
                 report = self.unit_report(unit)
             time.sleep(1)
@@ -201,17 +213,15 @@ class BootedHost:
 
     def unit_report(self, unit: str) -> str:
         """What to read when a unit misbehaves: its status and journal, then each of its
-        processes with its state, the threads not sleeping interruptibly (state, kernel
-        wait channel) and its kernel stack: a process that outlives SIGKILL shows where
-        the kernel holds it."""
+        processes (unit_pids) with its state, the threads not sleeping interruptibly
+        (state, kernel wait channel) and its kernel stack: a process that outlives
+        SIGKILL shows where the kernel holds it."""
+        pids = " ".join(str(p) for p in sorted(self.unit_pids(unit)))
         script = f"""
 systemctl status --no-pager {unit} | head -20
 journalctl -u {unit} -n 60 --no-pager -o short-precise
-cg=$(systemctl show -p ControlGroup --value {unit})
-procs=/sys/fs/cgroup$cg/cgroup.procs
-[ -r "$procs" ] || procs=/sys/fs/cgroup/systemd$cg/cgroup.procs
-echo "--- processes of {unit} ($procs)"
-for p in $(cat "$procs" 2>/dev/null); do
+echo "--- processes of {unit}"
+for p in {pids}; do
   echo "== pid $p: $(tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null | cut -c1-160 | sed 's/ *$//')"
   grep -E '^(State|PPid|Threads|VmRSS)' /proc/$p/status 2>/dev/null | tr '\\n\\t' '  '; echo
   for t in /proc/$p/task/*; do

@@ -32,18 +32,12 @@ def wait_ready(url: str, model: str = MODEL, timeout_s: float = 300) -> bool:
 
 
 def props(host: BootedHost, *names: str, unit: str = UNIT) -> dict[str, str]:
-    r = host.exec(["systemctl", "show", unit, *[f"--property={n}" for n in names]], check=True)
-    return dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+    return host.unit_props(unit, *names)
 
 
 def unit_pids(host: BootedHost, unit: str = UNIT) -> set[int]:
     """Every process in the unit's control group (any cgroup layout)."""
-    cg = props(host, "ControlGroup", unit=unit)["ControlGroup"]
-    if not cg:
-        return set()
-    r = host.exec(f"for d in /sys/fs/cgroup/unified /sys/fs/cgroup/systemd /sys/fs/cgroup; do "
-                  f"f=$d{cg}/cgroup.procs; if [ -r $f ]; then cat $f; exit 0; fi; done")
-    return {int(p) for p in r.stdout.split()}
+    return host.unit_pids(unit)
 
 
 def processes(host: BootedHost, user: str | None = None) -> dict[int, str]:
