@@ -32,6 +32,7 @@ from llmhost.admin_key import HEADER as ADMIN_HEADER
 from llmhost.admin_key import ensure_key_file, restriction
 from llmhost.backend.config import BackendSettings
 from llmhost.backend.lora import MULTI_LORA_JSON
+from llmhost.backend.stream_socket import SOCKET_DIR_ENV
 from llmhost.backend.watchdog import describe_exit
 from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir, render
 from llmhost.placement import plan
@@ -40,6 +41,8 @@ from llmhost.stopserver import free_http_port
 
 PR_SET_CHILD_SUBREAPER = 36
 ADMIN_KEY_FILE = "admin-key"
+# The folder of the engine sockets, in the work directory.
+ENGINE_SOCKET_DIR = "engine"
 
 
 @dataclass
@@ -122,6 +125,8 @@ def server_environment(workdir: Path, device: str, kv_cache_gib: int, triton: Tr
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.setdefault("VLLM_CACHE_ROOT", str(workdir / "vllm-cache"))
     env[STOP_FILE_ENV] = str(workdir / STOP_FILE_NAME)  # see llmhost.stopfile
+    # Each model instance's engine socket, for a gateway on this host (llmhost.backend.stream_socket).
+    env[SOCKET_DIR_ENV] = str(workdir / ENGINE_SOCKET_DIR)
     if device == "cpu":
         # vLLM's CPU default asks for most of NUMA node 0 and fails on small hosts.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
@@ -307,6 +312,9 @@ def run(opts: ServeOptions, ready_timeout_s: float = 600, max_restarts: int = RE
                 f"-d '{json.dumps({'text_input': 'def main():', 'max_tokens': 32, 'stream': True})}'\n"
                 f"  llmhost smoke --url {url} --metrics-url http://{opts.metrics_host}:{opts.metrics_port} "
                 f"--grpc-url {opts.host}:{opts.grpc_port} --model {opts.name}\n"
+                f"  a gateway in front: llmhost gateway --upstream {opts.host}:{opts.grpc_port} "
+                f"--engine-sockets {opts.host}:{opts.grpc_port}={workdir / ENGINE_SOCKET_DIR} --model {opts.name} "
+                "--keys-file KEYS\n"
                 "Ctrl-C stops it (in-flight requests drain first).",
                 flush=True,
             )

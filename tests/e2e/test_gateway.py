@@ -75,7 +75,9 @@ def gateway(server, keys_file: Path, tmp_path_factory: pytest.TempPathFactory) -
     work = tmp_path_factory.mktemp("gateway")
     port, metrics_port = free_port(), free_port()
     log = work / "gateway.log"
+    # Streams go through the server's engine sockets, as on an inference host.
     cmd = [str(Path(sys.executable).parent / "llmhost"), "gateway", "--upstream", server.grpc,
+           "--engine-sockets", f"{server.grpc}={server.engine_sockets}",
            "--listen", f"127.0.0.1:{port}", "--keys-file", str(keys_file), "--model", server.name,
            "--max-body-bytes", str(MAX_BODY), "--metrics-listen", f"127.0.0.1:{metrics_port}",
            "--health-interval-s", "1"]
@@ -311,6 +313,37 @@ def test_metrics_count_requests_by_key_and_status_and_show_the_upstream_up(gatew
     assert KEY not in text and PROMPT not in text
 
 
+def _gateway_series(gateway: Gateway, series: str) -> float:
+    text = httpx.get(gateway.metrics, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + "{"))
+
+
+def test_streams_go_through_the_engine_socket_one_event_per_engine_step(gateway, server):
+    assert server.engine_sockets is not None
+    sockets = [p.name for p in (server.engine_sockets / server.name).iterdir()]
+    assert len(sockets) == 1 and sockets[0].startswith("1-") and sockets[0].endswith(".sock"), sockets
+    lines = _gateway_series(gateway, "llmhost_gateway_upstream_transit_seconds_count")
+    delays = server.metric("llmhost:response_delay_seconds_count")
+    body = {"model": server.name, "prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert len(events) == 16  # one event per engine step, each step one token on this model
+    # Every engine step came as its own line of the socket, and the gateway counted it.
+    assert _gateway_series(gateway, "llmhost_gateway_upstream_transit_seconds_count") == lines + 16
+    per_event = {line.split('le="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                 for line in httpx.get(gateway.metrics, timeout=10).text.splitlines()
+                 if line.startswith("llmhost_gateway_tokens_per_event_bucket{")}
+    assert per_event["1.0"] >= 16 and per_event["1.0"] == per_event["+Inf"], per_event
+    # The backend's own stage: its responses' delay is counted as they leave (pushed periodically).
+    deadline = time.monotonic() + 30
+    while server.metric("llmhost:response_delay_seconds_count") < delays + 16 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert server.metric("llmhost:response_delay_seconds_count") >= delays + 16
+
+
 # --- phase 2: native API, limits, access log, several upstreams, TLS, config, drain ---
 
 def _auth(key: str = KEY) -> dict[str, str]:
@@ -393,6 +426,7 @@ def test_access_log_has_a_json_line_per_request_without_key_or_prompt(gateway, c
 
 
 def test_a_second_gateway_from_a_config_file_with_tls_a_dead_upstream_and_a_drain(server, keys_file, tmp_path):
+    """Also the gRPC path: this gateway has no engine sockets."""
     from tests.unit._gateway_fakes import self_signed
 
     cert, key = self_signed(tmp_path)

@@ -24,6 +24,7 @@ SERVE_READY = "llmhost serve: ready."
 class Server(Endpoint):
     proc: subprocess.Popen[bytes]
     log: Path
+    engine_sockets: Path | None = None  # the folder of its engine sockets (llmhost.backend.stream_socket)
 
     def descendants(self) -> list[psutil.Process]:
         try:
@@ -72,7 +73,8 @@ def _start_once(model: Path, workdir: Path, name: str, extra: list[str] | None) 
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(name=name, http=f"http://127.0.0.1:{http}", grpc=f"127.0.0.1:{grpc}",
-                    metrics=f"http://127.0.0.1:{metrics}", proc=proc, log=log)
+                    metrics=f"http://127.0.0.1:{metrics}", proc=proc, log=log,
+                    engine_sockets=workdir / "triton" / "engine")
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

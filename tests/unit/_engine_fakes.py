@@ -21,13 +21,15 @@ class Sink:
     def __init__(self) -> None:
         self.chunks: list[Chunk] = []
         self.errors: list[str] = []
+        self.reasons: list[str] = []
         self.active = None
 
     def send(self, chunk: Chunk) -> None:
         self.chunks.append(chunk)
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, reason: str = "engine_error") -> None:
         self.errors.append(message)
+        self.reasons.append(reason)
 
     def cancelled(self) -> None:
         self.errors.append("cancelled")

@@ -15,7 +15,7 @@ from llmhost.gateway.app import create_app
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.keys import KeyStore, hash_key, parse_keys
 from llmhost.gateway.mapping import BackendRequest
-from llmhost.gateway.upstream import Piece, UpstreamDown, classify
+from llmhost.gateway.upstream import Piece, UpstreamDown, classify, decode_outputs
 
 KEY = "unit-key-0123456789abcdef"
 
@@ -58,6 +58,7 @@ class Fake:
         self.reachable = reachable
         self.calls = 0
         self.seen: list[Any] = []
+        self.lines: list[dict[str, Any]] = []  # native requests as an engine socket gets them
         self.gate: asyncio.Event | None = None
         self.started = 0
 
@@ -87,6 +88,14 @@ class Fake:
         # Output tokens per response (2 + 2), as the backend counts them.
         yield Piece([f"hello from {self.name}"], ["None"], 3, [2], False)
         yield Piece(["!"], ["length"], 3, [2], True)
+
+    async def native_stream(self, model: str, line: dict[str, Any], msg: Any
+                            ) -> AsyncIterator[tuple[str, dict[str, list[Any]]]]:
+        """Triton's generate API over this fake's gRPC responses (upstream.Upstream's)."""
+        self.lines.append(line)
+        async for resp in self.infer_stream(msg):
+            if outputs := decode_outputs(resp):
+                yield resp.model_version, outputs
 
     async def infer_stream(self, msg: Any) -> AsyncIterator[Any]:
         self.seen.append(msg)

@@ -121,7 +121,7 @@ class Sink:
         if chunk.final:
             self.done.set()
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, reason: str = "engine_error") -> None:
         self.errors.append(message)
         self.done.set()
 

@@ -96,7 +96,7 @@ def test_exporter_families_match_readme_list_and_apply_deltas():
 
 def test_every_spec_has_help_and_prefix():
     for spec in SPECS:
-        assert spec.name.startswith("vllm:") and spec.help
+        assert spec.name.startswith(("vllm:", "llmhost:")) and spec.help
 
 
 def test_vllm_backend_names_are_exported_with_its_buckets():

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from llmhost.backend.config import ModelConfig
 from llmhost.backend.errors import RequestError
-from llmhost.backend.failures import ENGINE_ERROR, INVALID_REQUEST, classify
+from llmhost.backend.failures import ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, SHUTTING_DOWN, classify
 from llmhost.backend.images import no_images_here
 from llmhost.backend.lora import find_adapter, lora_request
 from llmhost.backend.metrics import ServingMetrics
@@ -80,13 +80,18 @@ class Chunk:
     # Empty unless return_logprobs; None per completion when the request gave no
     # 'logprobs' sampling parameter (sent as JSON null).
     logprobs: list[list[Position] | None] = field(default_factory=list)
+    # When the engine's output became this chunk (time.monotonic()): the backend's
+    # response delay is measured from here to the hand-over of the response.
+    made: float = field(default_factory=time.monotonic)
 
 
 class Sink(Protocol):
     active: Active | None
 
     def send(self, chunk: Chunk) -> None: ...
-    def fail(self, message: str) -> None: ...
+    def fail(self, message: str, reason: str = ENGINE_ERROR) -> None:
+        """End the request with MESSAGE; REASON is vllm:request_failed_total's label
+        (failures.py): whether the client's input, the server, or its state is at fault."""
     def cancelled(self) -> None: ...
 
 
@@ -368,8 +373,8 @@ class EngineRunner:
         message = self.engine_dead_message()
         if message is None:
             return False
-        self.metrics.inc("vllm:request_failed_total", label="engine_dead")
-        sink.fail(message)
+        self.metrics.inc("vllm:request_failed_total", label=ENGINE_DEAD)
+        sink.fail(message, ENGINE_DEAD)
         return True
 
     async def _engine_died(self, cause: str) -> None:
@@ -439,6 +444,21 @@ class EngineRunner:
 
         loop.call_soon_threadsafe(create)
         return active
+
+    def submit_here(self, job: GenerateJob, sink: Sink) -> Active:
+        """Start a request from a coroutine on the engine's own loop (the engine
+        socket): its task exists when this returns."""
+        active = Active(request_id=uuid.uuid4().hex)
+        sink.active = active
+        with self.active_lock:
+            self.active[active.request_id] = active
+        active.task = asyncio.get_running_loop().create_task(self._generate(active, job, sink))
+        return active
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The engine's event loop (once started)."""
+        assert self._loop is not None, "the engine is not running"
+        return self._loop
 
     def cancel(self, active: Active) -> None:
         """Called from another thread when the client went away."""
@@ -587,8 +607,8 @@ class EngineRunner:
             if self.fail_if_engine_dead(sink):  # cancelled by the watchdog, or the engine died meanwhile
                 return
             if self._abort_message is not None:  # the drain's time ran out
-                metrics.inc("vllm:request_failed_total", label="shutting_down")
-                sink.fail(self._abort_message)
+                metrics.inc("vllm:request_failed_total", label=SHUTTING_DOWN)
+                sink.fail(self._abort_message, SHUTTING_DOWN)
                 return
             metrics.inc("vllm:request_cancelled_total")
             # Tokens handed to the client so far (a request not streamed gets its
@@ -606,7 +626,7 @@ class EngineRunner:
             if reason == ENGINE_ERROR:
                 self.log(f"{request_label(active.request_id, job.client_id)} failed: {type(exc).__name__}: {exc}\n"
                          f"{''.join(traceback.format_exception(exc))}")
-            sink.fail(message)
+            sink.fail(message, reason)
         finally:
             with self.active_lock:
                 self.active.pop(active.request_id, None)

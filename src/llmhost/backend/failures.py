@@ -18,6 +18,9 @@ from llmhost.backend.errors import RequestError, safe_message
 
 INVALID_REQUEST = "invalid_request"
 ENGINE_ERROR = "engine_error"
+# The server's state, not a fault: it is stopping, or its engine died (retry elsewhere).
+SHUTTING_DOWN = "shutting_down"
+ENGINE_DEAD = "engine_dead"
 _CLIENT_BASES = {"VLLMClientError"}
 _BARE_CLIENT = (ValueError, TypeError, OverflowError)
 # vLLM's AssertionError when a multimodal item finds no placeholder in the prompt

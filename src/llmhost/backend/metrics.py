@@ -69,6 +69,12 @@ SPECS: tuple[MetricSpec, ...] = (
                TOKEN_BUCKETS),
     MetricSpec("vllm:request_params_n", "histogram", "The n sampling parameter of requests.", N_BUCKETS),
 )
+# The backend's own: how long an engine output waits before its response leaves
+# the backend (handed to tritonserver, or written to the engine socket).
+RESPONSE_DELAY = "llmhost:response_delay_seconds"
+RESPONSE_DELAY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+SPECS += (MetricSpec(RESPONSE_DELAY, "histogram", "Time from an engine output to its response leaving the "
+                     "backend (to tritonserver or the engine socket).", RESPONSE_DELAY_BUCKETS),)
 SPEC_BY_NAME = {s.name: s for s in SPECS}
 
 

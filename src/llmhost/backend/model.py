@@ -41,8 +41,8 @@ from llmhost.backend.errors import RequestError, safe_message
 from llmhost.backend.health import UNHEALTHY_MESSAGE, SelfUnload
 from llmhost.backend.images import IMAGE
 from llmhost.backend.lora import find_adapter, with_adapters
-from llmhost.backend.metrics import ServingMetrics, TritonExporter
-from llmhost.backend.outputs import SPARSE_OUTPUTS, finish_reasons, logprobs_json
+from llmhost.backend.metrics import RESPONSE_DELAY, ServingMetrics, TritonExporter
+from llmhost.backend.outputs import response_outputs
 from llmhost.backend.request import (
     BOOL_INPUTS,
     MESSAGES,
@@ -52,6 +52,7 @@ from llmhost.backend.request import (
     client_label,
     parse_request,
 )
+from llmhost.backend.stream_socket import SOCKET_DIR_ENV, StreamSocketServer, socket_path
 from llmhost.backend.triton_params import ENABLE_VLLM_HEALTH_CHECK, bool_param, metrics_enabled
 
 INPUTS: list[dict[str, Any]] = [
@@ -153,7 +154,7 @@ class _TritonSink:
         self.opened = True
         self.io.put(("chunk", self, chunk), urgent)
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, reason: str = "") -> None:
         self.io.put(("error", self, message), True)
 
     def cancelled(self) -> None:
@@ -177,6 +178,8 @@ class _TritonIO:
         self.window = StreamWindow(window_s)
         self.periodic = periodic and push.exporter is not None  # this thread pushes every metrics_s
         self.sinks: dict[str, _TritonSink] = {}
+        # Response delays (engine output -> handed to tritonserver) not yet in the metrics.
+        self.delays: list[float] = []
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -243,6 +246,9 @@ class _TritonIO:
                 for s in list(self.sinks.values()):
                     self._maybe_check(s, now)
                 last_poll = now
+            if self.delays:
+                self.push.metrics.observe(RESPONSE_DELAY, self.delays)
+                self.delays = []
             if self.periodic and now - last_flush >= self.metrics_s:
                 self.push.flush(pb)
                 last_flush = now
@@ -277,6 +283,7 @@ class _TritonIO:
                 if payload.final:
                     self.push.before_final(pb)  # the request's tokens are on /metrics before its client has its answer
                 sink.sender.send(self._response(pb, sink, payload), flags=final if payload.final else 0)
+                self.delays.append(time.monotonic() - payload.made)
                 if payload.final:
                     self._forget(sink)
                 else:
@@ -313,22 +320,22 @@ class _TritonIO:
     @staticmethod
     def _response(pb: Any, sink: _TritonSink, chunk: Chunk) -> Any:
         """The response's tensors: text_output and the additional outputs asked for (outputs.py)."""
-        flags = sink.flags
-        dense = SPARSE_OUTPUTS not in flags
-        tensors = [pb.Tensor("text_output", _strings(chunk.texts))]
-        if "return_finish_reason" in flags and (dense or chunk.final or any(chunk.finish_reasons)):
-            tensors.append(pb.Tensor("finish_reason", _strings(finish_reasons(chunk.finish_reasons))))
-        if "return_cumulative_logprob" in flags:
-            values = [np.nan if v is None else v for v in chunk.cumulative_logprobs]
-            tensors.append(pb.Tensor("cumulative_logprob", np.array(values, dtype=np.float32)))
-        if "return_logprobs" in flags:
-            tensors.append(pb.Tensor("logprobs", _strings(logprobs_json(chunk.logprobs))))
-        if "return_num_input_tokens" in flags and (dense or chunk.final or not sink.counted):
-            sink.counted = True
-            tensors.append(pb.Tensor("num_input_tokens", np.array([chunk.num_input_tokens], dtype=np.uint32)))
-        if "return_num_output_tokens" in flags:
-            tensors.append(pb.Tensor("num_output_tokens", np.array(chunk.num_output_tokens, dtype=np.uint32)))
-        return pb.InferenceResponse(output_tensors=tensors)
+        outputs = response_outputs(chunk, sink.flags, sink.counted)
+        sink.counted = sink.counted or "num_input_tokens" in outputs
+        return pb.InferenceResponse(output_tensors=[pb.Tensor(name, _array(name, values))
+                                                    for name, values in outputs.items()])
+
+
+# The numeric outputs' element types; the rest are STRING tensors.
+_DTYPES = {"cumulative_logprob": np.float32, "num_input_tokens": np.uint32, "num_output_tokens": np.uint32}
+
+
+def _array(name: str, values: list[Any]) -> Any:
+    """One output's tensor contents (a missing cumulative log probability is NaN)."""
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        return _strings(values)
+    return np.array([np.nan if v is None else v for v in values], dtype=dtype)
 
 
 def _strings(values: list[str]) -> Any:
@@ -427,6 +434,7 @@ class TritonPythonModel:
 
             pin_frontend(lambda m: pb.Logger.log_info(f"[llmhost] {m}"))
         self.io = _TritonIOPool(self.runner, self.metrics, self.config.settings, exporter)
+        self.engine_socket = self._open_engine_socket(pb, args)
         _freeze_startup_heap()
         pb.Logger.log_info(f"[llmhost] model {args['model_name']} ready "
                            f"(max_model_len {self.runner._max_model_len}, "
@@ -435,6 +443,20 @@ class TritonPythonModel:
                            f"stream interval {self.config.settings.stream_interval_ms:g} ms, "
                            f"metrics {'on' if exporter is not None else 'off'}, "
                            f"health check {'on' if self.health else 'off'})")
+
+    def _open_engine_socket(self, pb: Any, args: dict[str, Any]) -> StreamSocketServer | None:
+        """This instance's engine socket, where $LLMHOST_ENGINE_SOCKET_DIR names a folder (stream_socket.py)."""
+        import os
+
+        directory = os.environ.get(SOCKET_DIR_ENV, "").strip()
+        if not directory:
+            return None
+        instance = str(args.get("model_instance_name") or args["model_name"])
+        server = StreamSocketServer(self.runner, self.config.settings,
+                                    socket_path(Path(directory), args["model_name"],
+                                                str(args.get("model_version", "1")), instance),
+                                    lambda m: pb.Logger.log_info(f"[llmhost] {m}"), self.config.adapters)
+        return server if server.open() else None
 
     @staticmethod
     def _exporter(pb: Any, args: dict[str, Any]) -> TritonExporter | None:
@@ -566,6 +588,10 @@ class TritonPythonModel:
     def finalize(self) -> None:
         runner = getattr(self, "runner", None)
         t0 = time.monotonic()
+        engine_socket = getattr(self, "engine_socket", None)
+        if engine_socket is not None:  # no new requests on it; those in flight drain with the rest
+            engine_socket.close()
+            self.engine_socket = None
         if runner is not None:
             self.log.log_info("[llmhost] unloading: draining, then stopping vLLM's engine")
             runner.stop(self.config.settings.drain_timeout_s)

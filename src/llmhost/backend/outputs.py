@@ -54,3 +54,25 @@ def finish_reasons(reasons: list[str]) -> list[str]:
 def logprobs_json(per_completion: list[list[Position] | None]) -> list[str]:
     """The logprobs output: one JSON text per completion (``null`` when not asked of vLLM)."""
     return [json.dumps(p) for p in per_completion]
+
+
+def response_outputs(chunk: Any, flags: frozenset[str], counted: bool) -> dict[str, list[Any]]:
+    """The outputs of one response (a ``Chunk``) by name, as plain lists: ``text_output``
+    and the additional outputs whose ``return_*`` input is in FLAGS. With
+    SPARSE_OUTPUTS in FLAGS, ``finish_reason`` and ``num_input_tokens`` only where
+    they say something (COUNTED: an earlier response already carried the prompt's
+    tokens). ``cumulative_logprob`` holds None where vLLM gave none. Both the Triton
+    response and the engine socket's line are built from this."""
+    dense = SPARSE_OUTPUTS not in flags
+    out: dict[str, list[Any]] = {"text_output": chunk.texts}
+    if "return_finish_reason" in flags and (dense or chunk.final or any(chunk.finish_reasons)):
+        out["finish_reason"] = finish_reasons(chunk.finish_reasons)
+    if "return_cumulative_logprob" in flags:
+        out["cumulative_logprob"] = chunk.cumulative_logprobs
+    if "return_logprobs" in flags:
+        out["logprobs"] = logprobs_json(chunk.logprobs)
+    if "return_num_input_tokens" in flags and (dense or chunk.final or not counted):
+        out["num_input_tokens"] = [chunk.num_input_tokens]
+    if "return_num_output_tokens" in flags:
+        out["num_output_tokens"] = chunk.num_output_tokens
+    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -69,6 +69,7 @@ async def _counted(pieces: AsyncIterator[Piece], rec: RequestRecord) -> AsyncIte
             for i, count in enumerate(piece.num_output_tokens):
                 latest[i] = latest.get(i, 0) + count
             rec.output_tokens = sum(latest.values())
+            rec.event_tokens.append(max(piece.num_output_tokens, default=0))
             if piece.num_input_tokens is not None:
                 rec.prompt_tokens = piece.num_input_tokens
             yield piece
@@ -174,8 +175,10 @@ class Gateway:
                                        "not_found_error", None, "unknown_url"))
 
 
-def make_pool(config: GatewayConfig, upstream: Any = None) -> UpstreamPool:
-    """The pool for CONFIG: real upstreams, or UPSTREAM (a pool, or one client, for tests)."""
+def make_pool(config: GatewayConfig, upstream: Any = None,
+              on_line: Callable[[str, int, float], None] | None = None) -> UpstreamPool:
+    """The pool for CONFIG: real upstreams, or UPSTREAM (a pool, or one client, for tests).
+    ON_LINE sees each engine socket line (upstream.Upstream)."""
     if isinstance(upstream, UpstreamPool):
         return upstream
     settings = PoolSettings(max_concurrent=config.max_concurrent_upstream, max_queue=config.max_queue,
@@ -184,7 +187,8 @@ def make_pool(config: GatewayConfig, upstream: Any = None) -> UpstreamPool:
     if upstream is not None:
         members = [(config.upstreams[0], upstream)]
     else:
-        members = [(t, Upstream(t, config.health_timeout_s)) for t in config.upstreams]
+        members = [(t, Upstream(t, config.health_timeout_s, config.engine_sockets.get(t), on_line))
+                   for t in config.upstreams]
     return UpstreamPool(members, config.models, settings)
 
 
@@ -195,7 +199,7 @@ def create_app(config: GatewayConfig, keys: KeyStore, upstream: Any = None, metr
     every finished request."""
     from llmhost.gateway.native import NativeApi
 
-    pool = make_pool(config, upstream)
+    pool = make_pool(config, upstream, metrics.engine_line if metrics is not None else None)
     gw = Gateway(config, keys, pool, limiter)
     native = NativeApi(gw)
     observers: list[Observer] = []

@@ -65,6 +65,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _engine_sockets(text: str) -> tuple[str, Path]:
+    upstream, sep, directory = text.partition("=")
+    if not sep or not directory:
+        raise argparse.ArgumentTypeError(f"expected UPSTREAM=DIR (HOST:PORT=folder), got {text!r}")
+    return join_host_port(_host_port(upstream)), Path(directory)
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = GatewayConfig()
     p = argparse.ArgumentParser(
@@ -100,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", type=Path, metavar="PATH", help="HTTPS private key (PEM; with --tls-cert)")
     p.add_argument("--drain-timeout-s", type=_seconds, metavar="S",
                    help=f"on SIGTERM, requests in flight get this long to finish (default {d.drain_timeout_s:g})")
+    p.add_argument("--engine-sockets", type=_engine_sockets, action="append", metavar="UPSTREAM=DIR",
+                   help="an upstream on this host and the folder of its engine sockets: its streams go "
+                        "through them, one line per engine step (repeat per upstream)")
     p.add_argument("--log-level", choices=LOG_LEVELS)
     p.add_argument("--event-loop", choices=EVENT_LOOPS,
                    help=f"asyncio's own event loop or uvloop (default {d.event_loop})")
@@ -135,6 +145,8 @@ def settings(args: argparse.Namespace) -> GatewayConfig:
             value = [join_host_port(v) for v in value]
         elif name == "models":
             value = list(dict.fromkeys(value))
+        elif name == "engine_sockets":
+            value = dict(value)
         values[name] = value
     config = GatewayConfig(**values)
     if not config.models:
@@ -145,6 +157,10 @@ def settings(args: argparse.Namespace) -> GatewayConfig:
         raise ConfigError("give both --tls-cert and --tls-key (tls.cert and tls.key), or neither")
     if len(set(config.upstreams)) != len(config.upstreams):
         raise ConfigError("an upstream is given twice")
+    for upstream in config.engine_sockets:
+        if upstream not in config.upstreams:
+            raise ConfigError(f"--engine-sockets {upstream}=...: {upstream} is not an upstream "
+                              f"({', '.join(config.upstreams)})")
     return config
 
 

@@ -13,6 +13,8 @@ unknown key is refused by name. Relative paths are relative to the file's folder
     drain_timeout_s: 30                # --drain-timeout-s; on SIGTERM, in-flight requests get this long
     log_level: warning                 # --log-level: critical, error, warning, info, debug
     event_loop: asyncio                # --event-loop: asyncio (its own loop) or uvloop
+    engine_sockets:                    # --engine-sockets UPSTREAM=DIR; an upstream on this host: the
+      "127.0.0.1:8001": /run/tritonserver/engine  # folder of its engine sockets (streams go there)
     health:
       interval_s: 2                    # --health-interval-s; ModelReady on every upstream this often
       timeout_s: 2                     # --health-timeout-s; each check's timeout
@@ -78,6 +80,8 @@ class GatewayConfig:
     queue_timeout_s: float = 30.0
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # Upstream HOST:PORT -> the folder of its engine sockets (llmhost.backend.stream_socket).
+    engine_sockets: dict[str, Path] = field(default_factory=dict)
 
 
 # File key -> (GatewayConfig field, kind); sections hold nested keys.
@@ -86,6 +90,7 @@ _TOP: dict[str, tuple[str, str]] = {
     "metrics_listen": ("metrics_listen", "host_port"), "keys_file": ("keys_file", "path"),
     "max_body_bytes": ("max_body_bytes", "positive_int"), "drain_timeout_s": ("drain_timeout_s", "positive"),
     "log_level": ("log_level", "log_level"), "event_loop": ("event_loop", "event_loop"),
+    "engine_sockets": ("engine_sockets", "socket_dirs"),
 }
 # Kinds whose value is one of a few names.
 _CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "event_loop": EVENT_LOOPS}
@@ -131,6 +136,11 @@ def _value(where: str, kind: str, raw: Any, base: Path) -> Any:
         if not isinstance(raw, list) or not raw:
             raise bad("a non-empty list of HOST:PORT")
         return [join_host_port(_value(f"{where}[{i}]", "host_port", item, base)) for i, item in enumerate(raw)]
+    if kind == "socket_dirs":
+        if not isinstance(raw, dict):
+            raise bad("a mapping of upstream HOST:PORT to the folder of its engine sockets")
+        return {join_host_port(_value(f"{where} key", "host_port", k, base)): _value(f"{where}[{k}]", "path", v, base)
+                for k, v in raw.items()}
     if kind == "names":
         if not isinstance(raw, list) or not raw or not all(isinstance(x, str) and x for x in raw):
             raise bad("a non-empty list of model names")

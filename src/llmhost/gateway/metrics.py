@@ -7,6 +7,12 @@
 - ``llmhost_gateway_time_to_first_token_seconds{model}``: streams, arrival to the
   first token from the upstream.
 - ``llmhost_gateway_output_tokens_total{model,key}``: tokens generated.
+- ``llmhost_gateway_tokens_per_event{model}``: streams, output tokens of one
+  completion in each response from the upstream (each is one event to the
+  client; with n > 1, the completion that got the most): 1 while every engine step
+  reaches the client as its own event.
+- ``llmhost_gateway_upstream_transit_seconds{model}``: engine socket streams, from
+  the backend writing a response to the gateway reading it (wall clocks of one host).
 - ``llmhost_gateway_rate_limited_total{key,limit}``: 429s by key and limit (rpm,
   tpm, max_concurrent).
 - ``llmhost_gateway_upstream_up{upstream}``: 1 while the upstream is reachable, not
@@ -32,6 +38,8 @@ from llmhost.gateway.record import RequestRecord
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+EVENT_TOKEN_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100)
+TRANSIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 UNKNOWN_MODEL = "unknown"
 
 
@@ -66,12 +74,26 @@ class GatewayMetrics:
                               registry=self.registry)
         self.output_tokens = Counter("llmhost_gateway_output_tokens", "Tokens generated for the gateway's "
                                      "clients", ["model", "key"], registry=self.registry)
+        self.tokens_per_event = Histogram("llmhost_gateway_tokens_per_event", "Streams: output tokens in each "
+                                          "response from the upstream, each one event to the client", ["model"],
+                                          buckets=EVENT_TOKEN_BUCKETS, registry=self.registry)
+        self.transit = Histogram("llmhost_gateway_upstream_transit_seconds", "Engine socket streams: time from "
+                                 "the backend writing a response to the gateway reading it", ["model"],
+                                 buckets=TRANSIT_BUCKETS, registry=self.registry)
+        self._transit_of: dict[str, Any] = {}
         self.rate_limited = Counter("llmhost_gateway_rate_limited", "Requests refused (429) by a key's limit",
                                     ["key", "limit"], registry=self.registry)
 
     def watch_pool(self, pool: Any) -> None:
         """Serve the upstream gauges of POOL (anything with ``snapshot()``)."""
         self.registry.register(_PoolCollector(pool))
+
+    def engine_line(self, model: str, tokens: int, transit_s: float) -> None:
+        """One engine socket line read (upstream.Upstream's on_line)."""
+        child = self._transit_of.get(model)
+        if child is None:
+            child = self._transit_of[model] = self.transit.labels(self.model_label(model))
+        child.observe(max(0.0, transit_s))
 
     def model_label(self, model: str | None) -> str:
         return model if model in self.models else UNKNOWN_MODEL
@@ -85,6 +107,10 @@ class GatewayMetrics:
             self.ttft.labels(model).observe(rec.ttft_s)
         if rec.output_tokens:
             self.output_tokens.labels(model, rec.key).inc(rec.output_tokens)
+        if rec.ttft_s is not None and rec.event_tokens:
+            per_event = self.tokens_per_event.labels(model)
+            for tokens in rec.event_tokens:
+                per_event.observe(tokens)
         if rec.limited is not None:
             self.rate_limited.labels(rec.key, rec.limited).inc()
 

@@ -38,7 +38,6 @@ from llmhost.gateway.errors import ApiError, invalid
 from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
 from llmhost.gateway.record import RequestRecord, record_of
 from llmhost.gateway.responses import sse
-from llmhost.gateway.upstream import decode_outputs
 
 if TYPE_CHECKING:
     from llmhost.gateway.app import Gateway
@@ -59,6 +58,15 @@ def _bytes(value: str) -> bytes:
     return struct.pack("<I", len(raw)) + raw
 
 
+def _parameter(name: str, value: Any) -> Any:
+    """A request parameter as Triton carries it: objects and lists as JSON text."""
+    if isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, dict | list):
+        return json.dumps(value)
+    raise invalid(f"parameter '{name}' must be a string, number, boolean, list or object", name)
+
+
 def _set_parameter(msg: Any, name: str, value: Any) -> None:
     param = msg.parameters[name]
     if isinstance(value, bool):
@@ -67,12 +75,8 @@ def _set_parameter(msg: Any, name: str, value: Any) -> None:
         param.int64_param = value
     elif isinstance(value, float):
         param.double_param = value
-    elif isinstance(value, str):
-        param.string_param = value
-    elif isinstance(value, dict | list):
-        param.string_param = json.dumps(value)
     else:
-        raise invalid(f"parameter '{name}' must be a string, number, boolean, list or object", name)
+        param.string_param = value
 
 
 class NativeRequest:
@@ -111,6 +115,7 @@ class NativeRequest:
             else:
                 self.params[name] = value
         self.params.update(nested or {})
+        self.params = {name: _parameter(name, value) for name, value in self.params.items()}
         self.asked_counts = {n for n in _COUNTS if self.inputs.get(n) is True or self.params.get(n) is True}
         self._cap(key.max_tokens)
         self.stream = stream_endpoint
@@ -146,13 +151,21 @@ class NativeRequest:
         n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
         return (self.max_tokens or DEFAULT_MAX_TOKENS) * n
 
+    def _backend_inputs(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The backend's inputs (the counts always asked for) and request parameters."""
+        inputs = {**self.inputs, **dict.fromkeys(_COUNTS, True)}
+        return inputs, {k: v for k, v in self.params.items() if k not in _COUNTS}
+
+    def line(self) -> dict[str, Any]:
+        """The request on an engine socket (llmhost.backend.stream_socket)."""
+        inputs, params = self._backend_inputs()
+        return {"inputs": inputs, "parameters": params, "id": self.request_id}
+
     def message(self) -> Any:
+        """The request as a ModelInferRequest (Triton's gRPC API)."""
         msg = service_pb2.ModelInferRequest(model_name=self.model, id=self.request_id or uuid.uuid4().hex)
         msg.parameters["triton_enable_empty_final_response"].bool_param = True
-        inputs = dict(self.inputs)
-        for name in _COUNTS:
-            inputs[name] = True
-        params = {k: v for k, v in self.params.items() if k not in _COUNTS}
+        inputs, params = self._backend_inputs()
         for name, value in inputs.items():
             t = msg.inputs.add()
             t.name = name
@@ -266,8 +279,8 @@ class NativeApi:
     async def generate_stream(self, request: Request) -> Response:
         return await self._generate(request, stream=True)
 
-    def _body(self, req: NativeRequest, resp: Any, outputs: dict[str, list[Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {"model_name": resp.model_name or req.model, "model_version": resp.model_version or "1"}
+    def _body(self, req: NativeRequest, version: str, outputs: dict[str, list[Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {"model_name": req.model, "model_version": version or "1"}
         hidden = {"num_input_tokens": "return_num_input_tokens", "num_output_tokens": "return_num_output_tokens"}
         for name, values in outputs.items():
             if name in hidden and hidden[name] not in req.asked_counts:
@@ -287,9 +300,9 @@ class NativeApi:
                 raise invalid("the request body is not valid JSON") from None
             req = NativeRequest(model, body, key, stream)
             self.gw.admit(request, key, req.estimate())
-            msg = req.message()
+            line, msg = req.line(), req.message()
             counter = _Counter(rec)
-            responses = self._responses(self.gw.pool.stream(model, lambda c: c.infer_stream(msg),
+            responses = self._responses(self.gw.pool.stream(model, lambda c: c.native_stream(model, line, msg),
                                                             self.gw.note_upstream(request)), counter)
             if stream:
                 first = await until_disconnect(request, _first(responses))
@@ -302,21 +315,19 @@ class NativeApi:
         except ClientGone:
             return Response(None, 499)
 
-    async def _responses(self, items: AsyncIterator[Any], counter: _Counter
-                         ) -> AsyncIterator[tuple[Any, dict[str, list[Any]]]]:
-        """(response, outputs) for each response with outputs (the empty final one is skipped)."""
+    async def _responses(self, items: AsyncIterator[tuple[str, dict[str, list[Any]]]], counter: _Counter
+                         ) -> AsyncIterator[tuple[str, dict[str, list[Any]]]]:
+        """(model version, outputs) for each response with outputs, counted."""
         try:
-            async for resp in items:
-                outputs = decode_outputs(resp)
+            async for version, outputs in items:
                 counter.see(outputs)
-                if outputs:
-                    yield resp, outputs
+                yield version, outputs
         finally:
             aclose = getattr(items, "aclose", None)
             if aclose is not None:
                 await aclose()
 
-    async def _whole(self, req: NativeRequest, responses: AsyncIterator[tuple[Any, dict[str, list[Any]]]]
+    async def _whole(self, req: NativeRequest, responses: AsyncIterator[tuple[str, dict[str, list[Any]]]]
                      ) -> dict[str, Any]:
         """One answer from all responses: per completion, texts and log probabilities
         joined and output tokens added up; the rest the latest."""
@@ -335,8 +346,8 @@ class NativeApi:
             raise ApiError(500, "the backend sent no response", "server_error", None, "internal_error")
         return self._body(req, last, merged)
 
-    async def _events(self, req: NativeRequest, first: tuple[Any, dict[str, list[Any]]] | None,
-                      rest: AsyncIterator[tuple[Any, dict[str, list[Any]]]]) -> AsyncIterator[bytes]:
+    async def _events(self, req: NativeRequest, first: tuple[str, dict[str, list[Any]]] | None,
+                      rest: AsyncIterator[tuple[str, dict[str, list[Any]]]]) -> AsyncIterator[bytes]:
         try:
             if first is not None:
                 yield sse(self._body(req, *first))

@@ -26,6 +26,9 @@ class RequestRecord:
     prompt_tokens: int | None = None
     output_tokens: int = 0
     limited: str | None = None  # the key limit that refused it: rpm, tpm, max_concurrent
+    # A stream's output tokens per upstream response (each one is one event to the
+    # client), of the completion that got the most in it.
+    event_tokens: list[int] = field(default_factory=list)
     status: int = 499
     duration_s: float = 0.0
     cleanups: list[Callable[[RequestRecord], None]] = field(default_factory=list)

@@ -1,4 +1,10 @@
-"""The Triton client: our backend over gRPC streaming (``ModelStreamInfer``).
+"""The client of one inference server: our backend over its engine sockets where
+the server is on this host (``llmhost.backend.stream_socket``: one line per engine
+step), else over Triton's gRPC streaming (``ModelStreamInfer``).
+
+A request goes to a model's engine socket when ``socket_dir`` holds one for it
+(round robin over the model's instances); where none is there, or the socket drops
+the request before any answer, it goes over gRPC.
 
 Uses tritonclient's generated gRPC stubs on a ``grpc.aio`` channel: the asyncio
 client's ``stream_infer`` cannot ask for the empty final response
@@ -16,11 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
+import os
 import struct
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -55,6 +65,30 @@ class Piece:
     final: bool
 
 
+# What the gateway asks of the backend besides the prompt: the same on both paths.
+BACKEND_FLAGS = ("exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
+                 "return_num_output_tokens")
+
+
+def socket_request(req: BackendRequest, request_id: str) -> bytes:
+    """The engine socket's request line for one backend request."""
+    inputs: dict[str, Any] = {"text_input": req.text_input} if req.text_input is not None else {
+        "messages": json.dumps(req.messages)}
+    inputs["sampling_parameters"] = json.dumps(req.sampling)
+    inputs["stream"] = req.stream
+    inputs.update(dict.fromkeys(BACKEND_FLAGS, True))
+    line = {"inputs": inputs, "parameters": {"sparse_outputs": True}, "id": request_id}
+    return json.dumps(line, separators=(",", ":")).encode("utf-8", "surrogatepass") + b"\n"
+
+
+def socket_piece(outputs: dict[str, list[Any]], final: bool) -> Piece:
+    """One engine socket line's outputs -> Piece."""
+    inputs = outputs.get("num_input_tokens")
+    return Piece(texts=outputs.get("text_output", []), finish_reasons=outputs.get("finish_reason", []),
+                 num_input_tokens=inputs[0] if inputs else None,
+                 num_output_tokens=outputs.get("num_output_tokens", []), final=final)
+
+
 def _bytes_tensor(values: list[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(v)) + v for v in values)
 
@@ -72,8 +106,7 @@ def build_request(req: BackendRequest, request_id: str) -> Any:
          _bytes_tensor([text.encode("utf-8", "surrogatepass")])),
         ("sampling_parameters", "BYTES", _bytes_tensor([json.dumps(req.sampling).encode()])),
     ]
-    for name, flag in (("stream", req.stream), ("exclude_input_in_output", True), ("return_finish_reason", True),
-                       ("return_num_input_tokens", True), ("return_num_output_tokens", True)):
+    for name, flag in (("stream", req.stream), *((f, True) for f in BACKEND_FLAGS)):
         tensors.append((name, "BOOL", b"\x01" if flag else b"\x00"))
     for name, dtype, raw in tensors:
         t = msg.inputs.add()
@@ -153,14 +186,33 @@ def classify(message: str) -> ApiError:
     return invalid(message, None, "invalid_request")
 
 
-class Upstream:
-    """One Triton server (HOST:PORT of its gRPC endpoint)."""
+class _NoAnswer(Exception):
+    """The engine socket took no request (gone, or dropped it before answering)."""
 
-    def __init__(self, target: str, timeout_s: float = 5.0) -> None:
+
+# Engine socket error kinds -> the client's error.
+def _socket_error(message: str, kind: str) -> ApiError:
+    if kind == "unavailable":
+        return Draining(message)
+    if kind == "internal":
+        return ApiError(500, message, "server_error", None, "internal_error")
+    return invalid(message, None, "invalid_request")
+
+
+class Upstream:
+    """One Triton server (HOST:PORT of its gRPC endpoint) and, on this host, the
+    folder of its engine sockets (SOCKET_DIR). ON_LINE(model, tokens, transit_s),
+    when given, sees every engine socket line (the gateway's metrics)."""
+
+    def __init__(self, target: str, timeout_s: float = 5.0, socket_dir: Path | None = None,
+                 on_line: Callable[[str, int, float], None] | None = None) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        self.socket_dir = socket_dir
+        self.on_line = on_line
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
+        self._turn = itertools.count()
 
     def _get_stub(self) -> Any:
         if self._stub is None:
@@ -202,15 +254,89 @@ class Upstream:
         return {"name": m.name, "versions": list(m.versions), "platform": m.platform,
                 "inputs": tensors(m.inputs), "outputs": tensors(m.outputs)}
 
+    def engine_socket(self, model: str) -> Path | None:
+        """One of MODEL's engine sockets (in turn), or None. A socket's name starts
+        with the model version its instance serves: ``<version>-<instance>.sock``."""
+        if self.socket_dir is None or not model or model.startswith(".") or "/" in model:
+            return None
+        try:
+            with os.scandir(self.socket_dir / model) as entries:
+                found = sorted(e.path for e in entries if e.name.endswith(".sock"))
+        except OSError:
+            return None
+        return Path(found[next(self._turn) % len(found)]) if found else None
+
     async def generate(self, req: BackendRequest) -> AsyncIterator[Piece]:
         """The backend's responses for one request. Leaving the iteration early
         (an exception, a cancelled task, ``aclose``) cancels the upstream request."""
+        path = self.engine_socket(req.model)
+        if path is not None:
+            try:
+                async for outputs, final in self.socket_lines(path, req.model, socket_request(req, uuid.uuid4().hex)):
+                    yield socket_piece(outputs, final)
+                return
+            except _NoAnswer:
+                pass  # over gRPC instead
         async with contextlib.aclosing(self.infer_stream(build_request(req, uuid.uuid4().hex))) as responses:
             async for resp in responses:
                 piece = parse_response(resp)
                 yield piece
                 if piece.final:
                     return
+
+    async def native_stream(self, model: str, line: dict[str, Any], message: Any
+                            ) -> AsyncIterator[tuple[str, dict[str, list[Any]]]]:
+        """Triton's generate API: (model version, outputs) per response with outputs,
+        over an engine socket (LINE: its request, ``inputs`` and ``parameters``),
+        else over gRPC (MESSAGE: the same request as a ModelInferRequest)."""
+        path = self.engine_socket(model)
+        if path is not None:
+            version = path.name.partition("-")[0]
+            data = json.dumps(line, separators=(",", ":")).encode("utf-8", "surrogatepass") + b"\n"
+            try:
+                async for outputs, _ in self.socket_lines(path, model, data):
+                    yield version, outputs
+                return
+            except _NoAnswer:
+                pass  # over gRPC instead
+        async with contextlib.aclosing(self.infer_stream(message)) as responses:
+            async for resp in responses:
+                if outputs := decode_outputs(resp):
+                    yield resp.model_version, outputs
+
+    async def socket_lines(self, path: Path, model: str, request: bytes
+                           ) -> AsyncIterator[tuple[dict[str, list[Any]], bool]]:
+        """One request (its line) on an engine socket: (outputs, final) per response,
+        up to the final one. Raises _NoAnswer when the socket took no request;
+        leaving early hangs up, which cancels the request in the engine."""
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(path), limit=_MAX_MESSAGE)
+        except OSError:
+            raise _NoAnswer from None
+        answered = False
+        on_line = self.on_line
+        try:
+            writer.write(request)
+            while True:
+                try:
+                    line = await reader.readuntil(b"\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    if answered:
+                        raise UpstreamDown(self.target, "the inference server closed the stream early; "
+                                           "retry shortly") from None
+                    raise _NoAnswer from None
+                answered = True
+                msg = json.loads(line)
+                if "error" in msg:
+                    raise _socket_error(msg["error"], msg.get("kind", ""))
+                outputs, final = msg["outputs"], bool(msg["final"])
+                if on_line is not None:
+                    on_line(model, sum(outputs.get("num_output_tokens", ())), time.time() - msg["t"])
+                yield outputs, final
+                if final:
+                    return
+        finally:
+            writer.close()
 
     async def infer_stream(self, request: Any) -> AsyncIterator[Any]:
         """The ModelInferResponses of one ModelInferRequest (asking for the empty
