@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS")
     b.add_argument("--processes", type=_positive, default=1, metavar="N",
                    help="client processes to spread each level's concurrency over (default 1); results merged")
+    b.add_argument("--client", choices=("llmhost", "vllm"), default="llmhost",
+                   help="llmhost's own client, or vLLM's `vllm bench serve` run in process (--kind openai; "
+                        "needs --tokenizer; random prompts of the first --prompt-words tokens)")
+    b.add_argument("--tokenizer", metavar="DIR", help="the model's tokenizer (a folder), for --client vllm")
     b.add_argument("--json", type=Path, help="write results as JSON")
     b.add_argument("--plot", type=Path, help="draw throughput and latency vs concurrency (PNG)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -194,6 +198,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.requests is not None and args.requests < 1:
         print("llmhost bench: --requests must be >= 1", file=sys.stderr)
         return 2
+    if args.client == "vllm":
+        return _bench_vllm(args)
     workload = Workload(
         requests=args.requests, duration_s=args.duration,
         prompt_words=args.prompt_words[0], prompt_words_max=args.prompt_words[1],
@@ -228,6 +234,30 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot({f"{args.kind} {args.model}": results}, args.plot, f"llmhost bench: {args.url}")
     return 1 if all(r.errors == r.requests for r in results) else 0
+
+
+def _bench_vllm(args: argparse.Namespace) -> int:
+    """`llmhost bench --client vllm`: vLLM's own client, one run per level (llmhost.vllm_bench)."""
+    import dataclasses
+    import json
+
+    from llmhost.vllm_bench import client_argv, run_level, summarize, table
+
+    if args.kind != "openai" or not args.tokenizer or args.duration is not None:
+        print("llmhost bench: --client vllm needs --kind openai, --tokenizer DIR and --requests (not --duration)",
+              file=sys.stderr)
+        return 2
+    api_key = args.api_key_file.read_text().strip() if args.api_key_file is not None else None
+    levels = []
+    for concurrency in args.concurrency:
+        argv = client_argv(args.url, args.model, args.tokenizer, concurrency, args.requests, args.prompt_words[0],
+                           args.output_tokens[0], args.seed, not args.no_ignore_eos)
+        levels.append(summarize(concurrency, run_level(argv, api_key)))
+    print(table(levels))
+    if args.json:
+        args.json.write_text(json.dumps({"client": "vllm", "url": args.url, "model": args.model,
+                                         "levels": [dataclasses.asdict(r) for r in levels]}, indent=1))
+    return 1 if all(r.completed == 0 for r in levels) else 0
 
 
 def _default_grpc(url: str) -> str:

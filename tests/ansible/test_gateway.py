@@ -137,6 +137,21 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
     assert "\nCPUAffinity=6-7,14\n" in unit
 
 
+def test_on_an_inference_host_the_unit_streams_from_the_local_engine_sockets(tmp_path: Path) -> None:
+    base = {**keys({"name": "alice", "key": KEY}), "llmhost_models": [{"name": "tiny", "source": "tiny"}]}
+    run = _render(tmp_path, base)
+    assert run.rc == 0, run.output
+    unit = (tmp_path / "unit").read_text()
+    assert "--upstream 127.0.0.1:8001" in unit
+    assert "--engine-sockets 127.0.0.1:8001=/run/tritonserver/engine" in unit
+    assert "\nSupplementaryGroups=llmhost\n" in unit  # tritonserver's group: its sockets are 0660
+    for extra in ({"gateway_engine_sockets": False}, {"gateway_upstreams": ["10.0.0.1:8001"]}):
+        run = _render(tmp_path, {**base, **extra})
+        assert run.rc == 0, run.output
+        unit = (tmp_path / "unit").read_text()
+        assert "--engine-sockets" not in unit and "SupplementaryGroups" not in unit, extra
+
+
 # -- a gateway on a host of its own (group gateway) --------------------------------------
 
 

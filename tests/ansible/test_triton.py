@@ -79,6 +79,9 @@ def test_unit_binds_inference_and_metrics_apart_and_restricts_admin_apis(
     # The key itself is never in the unit: systemd reads it from the root-only file.
     assert unit.count("EnvironmentFile=") == 2
     assert "EnvironmentFile=/etc/llmhost/tritonserver-admin-key.env" in unit.splitlines()
+    # Each model instance's engine socket, in a folder the gateway's group may enter.
+    assert "Environment=LLMHOST_ENGINE_SOCKET_DIR=%t/tritonserver/engine" in unit.splitlines()
+    assert "RuntimeDirectoryMode=0750" in unit.splitlines()
 
 
 def test_role_and_package_agree_on_header_apis_and_variable() -> None:

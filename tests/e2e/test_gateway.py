@@ -474,3 +474,22 @@ def test_a_second_gateway_from_a_config_file_with_tls_a_dead_upstream_and_a_drai
             proc.kill()
             proc.wait()
     assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def test_llmhost_bench_drives_vllms_own_client_through_the_gateway(gateway, server, tiny_model, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    out = tmp_path / "bench.json"
+    r = subprocess.run([str(Path(sys.executable).parent / "llmhost"), "bench", "--client", "vllm", "--kind", "openai",
+                        "--url", gateway.url, "--model", server.name, "--tokenizer", str(tiny_model),
+                        "--api-key-file", str(key_file), "--concurrency", "2", "--requests", "4",
+                        "--prompt-words", "16", "--output-tokens", "8", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "tok/event" in r.stdout
+    level = json.loads(out.read_text())["levels"][0]
+    assert (level["concurrency"], level["completed"], level["failed"]) == (2, 4, 0), level
+    assert level["output_tokens_per_s"] > 0 and level["itl_ms"]["median"] > 0
+    # About one token an event: vLLM's client counts only events with text, and the random
+    # model's token is now and then half a UTF-8 character (an event without text).
+    assert 1.0 <= level["tokens_per_event"] < 1.5, level

@@ -1,7 +1,8 @@
 """The llmhost gateway on the converged host (roles/gateway): a hardened unit run
 as its own nologin user, the OpenAI API with API keys in front of Triton (the
 official `openai` client gets a completion; no key: 401), its metrics scraped by
-the host's Prometheus, and a keys file that holds hashes only.
+the host's Prometheus, a keys file that holds hashes only, and streams through the
+local Triton's engine sockets, which the gateway's group may use and nobody else.
 
 The converge (tests/system/_converge.py) passes the key as `make demo` does: a
 0600 file whose path inventory/demo.yml reads (gateway_demo_key_file)."""
@@ -128,3 +129,31 @@ def test_prometheus_scrapes_the_gateway(converged: Converged):
     assert seen[0]["health"] == "up", seen
     status, body = api(converged.prometheus, "query", {"query": "llmhost_gateway_upstream_up"})
     assert status == 200 and [float(s["value"][1]) for s in body["data"]["result"]] == [1.0], body
+
+
+def test_streams_go_through_the_engine_socket_only_the_gateway_may_use(converged: Converged):
+    import openai
+
+    host = converged.host
+    folder = f"/run/tritonserver/engine/{MODEL}"
+    sockets = host.exec(["find", folder, "-name", "*.sock", "-printf", "%m %u %g %p\\n"], check=True).stdout.split()
+    assert len(sockets) == 4 and sockets[:3] == ["660", "llmhost", "llmhost"], sockets
+    for path in ("/run/tritonserver", "/run/tritonserver/engine", folder):
+        assert host.exec(["stat", "-c", "%a", path]).stdout.strip() == "750", path
+    assert "llmhost" in props(host, "SupplementaryGroups", unit=UNIT)["SupplementaryGroups"].split()
+    connect = ["python3", "-c", f"import socket; socket.socket(socket.AF_UNIX).connect({sockets[3]!r})"]
+    refused = host.exec(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *connect])
+    assert refused.returncode != 0 and "Permission denied" in refused.stderr, refused
+
+    metrics = f"http://{METRICS_ADDRESS}:{converged.ports['gateway_metrics']}/metrics"
+
+    def lines() -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in requests.get(metrics, timeout=10).text.splitlines()
+                   if line.startswith("llmhost_gateway_upstream_transit_seconds_count{"))
+
+    before = lines()
+    client = openai.OpenAI(base_url=_base(converged), api_key=_key(converged), timeout=120, max_retries=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="import os", max_tokens=8, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert len([c for c in chunks if c.choices]) == 8  # one event per engine step
+    assert lines() == before + 8  # each step a line of the engine socket

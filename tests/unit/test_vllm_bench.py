@@ -1,0 +1,40 @@
+"""llmhost.vllm_bench's own parts: the arguments vLLM's parser takes, and tokens per
+streamed event from vLLM's per-request results."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmhost.vllm_bench import client_argv, summarize, tokens_per_event
+
+
+def test_vllms_own_parser_takes_the_arguments():
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(client_argv("http://gw:18080/v1/", "tiny", "/models/tiny", 16, 64, 256, 128))
+    assert args.base_url == "http://gw:18080" and args.endpoint == "/v1/completions"
+    assert (args.max_concurrency, args.num_prompts, args.random_input_len, args.random_output_len) == (16, 64, 256, 128)
+    assert args.ignore_eos and args.save_detailed and args.served_model_name == "tiny"
+    assert not parser.parse_args(client_argv("http://x", "m", "/t", 1, 1, 8, 8, ignore_eos=False)).ignore_eos
+
+
+@pytest.mark.parametrize(("output_lens", "itls", "expected"), [
+    ([4, 4], [[0.01] * 3, [0.01] * 3], 1.0),  # an event per token
+    ([8], [[0.02] * 3], 2.0),  # 8 tokens in 4 events
+    ([0, 6], [[], [0.01] * 2], 2.0),  # a failed request (no output) does not count
+    ([], [], 0.0),
+])
+def test_tokens_per_event(output_lens: list[int], itls: list[list[float]], expected: float):
+    assert tokens_per_event({"output_lens": output_lens, "itls": itls}) == expected
+
+
+def test_summary_reads_vllms_keys():
+    level = summarize(8, {"completed": 10, "failed": 1, "output_throughput": 123.4, "median_ttft_ms": 5.0,
+                          "p99_ttft_ms": 9.0, "median_itl_ms": 1.5, "p99_itl_ms": 3.0, "duration": 2.0,
+                          "output_lens": [2], "itls": [[0.1]]})
+    assert (level.completed, level.failed, level.output_tokens_per_s) == (10, 1, 123.4)
+    assert level.ttft_ms == {"median": 5.0, "p99": 9.0} and level.itl_ms == {"median": 1.5, "p99": 3.0}
+    assert level.tokens_per_event == 1.0
