@@ -23,10 +23,12 @@ def _docstring_example() -> str:
 
 def test_the_documented_example_is_a_valid_config():
     got = parse_config(_docstring_example(), base=Path("/etc/llmhost"))
-    assert got["upstreams"] == ["10.0.0.5:8001", "10.0.0.6:8001"] and got["models"] == ["tiny"]
+    assert got["upstreams"] == ["127.0.0.1:8001", "10.0.0.6:8001"] and got["models"] == ["tiny"]
+    assert got["engine_sockets"] == {"127.0.0.1:8001": Path("/run/tritonserver/engine")}
     assert got["listen"] == ("0.0.0.0", 18080) and got["metrics_listen"] == ("127.0.0.1", 18081)
     assert got["keys_file"] == Path("/etc/llmhost/keys.json")
-    assert (got["max_concurrent_upstream"], got["max_queue"], got["queue_timeout_s"]) == (128, 512, 30.0)
+    assert (got["max_concurrent_upstream"], got["max_queue"], got["queue_timeout_s"]) == (1024, 512, 30.0)
+    assert got["health_unhealthy_threshold"] == 3
     assert (got["health_interval_s"], got["health_timeout_s"], got["drain_timeout_s"]) == (2.0, 2.0, 30.0)
     assert got["tls_cert"] == Path("/etc/llmhost/gateway.crt") and got["tls_key"] == Path("/etc/llmhost/gateway.key")
     assert got["event_loop"] == "asyncio"
@@ -92,6 +94,8 @@ def test_defaults_without_a_config_file():
     (["--keys-file", "/k"], "--model"),
     (["--keys-file", "/k", "--model", "m", "--tls-cert", "/c"], "--tls-key"),
     (["--keys-file", "/k", "--model", "m", "--upstream", "a:1", "--upstream", "a:1"], "twice"),
+    (["--keys-file", "/k", "--model", "m", "--upstream", "a:1", "--engine-sockets", "b:1=/run/x"],
+     "b:1 is not an upstream"),
 ])
 def test_missing_settings_are_named(argv, names):
     with pytest.raises(ConfigError, match=names):
@@ -146,13 +150,24 @@ def test_a_good_certificate_and_key_pass_and_reach_uvicorn(tmp_path):
 @pytest.mark.parametrize("bad", [["--max-queue", "-1"], ["--queue-timeout-s", "0"], ["--max-concurrent-upstream", "0"],
                                  ["--health-interval-s", "soon"], ["--health-timeout-s", "-1"],
                                  ["--drain-timeout-s", "nan"], ["--metrics-listen", "18081"],
-                                 ["--event-loop", "trio"]])
+                                 ["--event-loop", "trio"], ["--engine-sockets", "127.0.0.1:8001"],
+                                 ["--engine-sockets", "nowhere=/run/x"], ["--health-unhealthy-threshold", "0"]])
 def test_bad_flags_are_refused_by_name(capsys, bad):
     from llmhost.cli import main
 
     with pytest.raises(SystemExit) as info:
         main(["gateway", "--keys-file", "/k", "--model", "m", *bad])
     assert info.value.code == 2 and bad[0] in capsys.readouterr().err
+
+
+def test_engine_sockets_from_flags_and_the_file(tmp_path):
+    config = settings(_args("--keys-file", "/k", "--model", "m", "--engine-sockets", "127.0.0.1:8001=/run/t/engine"))
+    assert config.engine_sockets == {"127.0.0.1:8001": Path("/run/t/engine")}
+    path = tmp_path / "gateway.yml"
+    path.write_text("engine_sockets: {'[::1]:8001': engine}\nupstreams: ['[::1]:8001']\n")
+    assert parse_config(path.read_text(), base=tmp_path)["engine_sockets"] == {"[::1]:8001": tmp_path / "engine"}
+    with pytest.raises(ConfigError, match="engine_sockets"):
+        parse_config("engine_sockets: [a]\n")
 
 
 def test_the_event_loop_is_asyncio_unless_uvloop_is_asked_for(tmp_path):

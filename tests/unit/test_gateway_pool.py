@@ -95,6 +95,36 @@ def test_a_slow_health_check_times_out_and_marks_down():
     assert pool.snapshot() == [("a:1", False, 0)]
 
 
+def test_an_upstream_that_answers_late_under_load_stays_in_until_the_threshold():
+    class Late(Fake):
+        slow = False
+
+        async def model_ready(self, model: str) -> bool:
+            if self.slow:
+                await asyncio.Event().wait()
+            return True
+
+    late = Late("a")
+    pool = _pool(late, timeout_s=0.01, unhealthy_threshold=3)
+
+    async def checks() -> list[bool]:
+        await pool.check()
+        seen = [pool.snapshot()[0][1]]
+        late.slow = True
+        for _ in range(2):
+            await pool.check()
+            seen.append(pool.snapshot()[0][1])
+        late.slow = False
+        await pool.check()  # a check that passes starts the count again
+        late.slow = True
+        for _ in range(3):
+            await pool.check()
+            seen.append(pool.snapshot()[0][1])
+        return seen
+
+    assert asyncio.run(checks()) == [True, True, True, True, True, False]
+
+
 def test_the_health_loop_runs_until_cancelled():
     a = Fake("a", reachable=False)
     pool = _pool(a, interval_s=0.01)

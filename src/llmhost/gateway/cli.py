@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"how often every upstream's models are checked (default {d.health_interval_s:g})")
     p.add_argument("--health-timeout-s", type=_seconds, metavar="S",
                    help=f"timeout of each readiness check (default {d.health_timeout_s:g})")
+    p.add_argument("--health-unhealthy-threshold", type=_positive, metavar="N",
+                   help="checks in a row that time out before an upstream is taken out; one that cannot be "
+                        f"reached is out at once (default {d.health_unhealthy_threshold})")
     p.add_argument("--max-concurrent-upstream", type=_positive, metavar="N",
                    help=f"requests in flight per upstream; more wait (default {d.max_concurrent_upstream})")
     p.add_argument("--max-queue", type=_non_negative, metavar="N",

@@ -4,7 +4,7 @@ The file holds the same settings as the flags; a flag given on the command line
 wins over the file, the file over the defaults. Every key is optional; an
 unknown key is refused by name. Relative paths are relative to the file's folder::
 
-    upstreams: ["10.0.0.5:8001", "10.0.0.6:8001"]   # --upstream (repeat); Triton gRPC HOST:PORT
+    upstreams: ["127.0.0.1:8001", "10.0.0.6:8001"]  # --upstream (repeat); Triton gRPC HOST:PORT
     models: [tiny]                     # --model (repeat); required, from the file or flags
     listen: "0.0.0.0:18080"            # --listen
     metrics_listen: "127.0.0.1:18081"  # --metrics-listen
@@ -18,8 +18,9 @@ unknown key is refused by name. Relative paths are relative to the file's folder
     health:
       interval_s: 2                    # --health-interval-s; ModelReady on every upstream this often
       timeout_s: 2                     # --health-timeout-s; each check's timeout
+      unhealthy_threshold: 3           # --health-unhealthy-threshold; timed-out checks in a row that take it out
     limits:
-      max_concurrent_upstream: 128     # --max-concurrent-upstream; requests in flight per upstream
+      max_concurrent_upstream: 1024    # --max-concurrent-upstream; requests in flight per upstream
       max_queue: 512                   # --max-queue; requests waiting for room (0: none wait)
       queue_timeout_s: 30              # --queue-timeout-s; then 503 with Retry-After
     tls:                               # both or neither
@@ -75,7 +76,10 @@ class GatewayConfig:
     event_loop: str = "asyncio"
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
-    max_concurrent_upstream: int = 128
+    health_unhealthy_threshold: int = 3
+    # vLLM's own server admits up to its max_num_seqs (1,024 on a GPU) at once: the
+    # gateway's bound must not be the lower one.
+    max_concurrent_upstream: int = 1024
     max_queue: int = 512
     queue_timeout_s: float = 30.0
     tls_cert: Path | None = None
@@ -95,7 +99,8 @@ _TOP: dict[str, tuple[str, str]] = {
 # Kinds whose value is one of a few names.
 _CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "event_loop": EVENT_LOOPS}
 _SECTIONS: dict[str, dict[str, tuple[str, str]]] = {
-    "health": {"interval_s": ("health_interval_s", "positive"), "timeout_s": ("health_timeout_s", "positive")},
+    "health": {"interval_s": ("health_interval_s", "positive"), "timeout_s": ("health_timeout_s", "positive"),
+               "unhealthy_threshold": ("health_unhealthy_threshold", "positive_int")},
     "limits": {"max_concurrent_upstream": ("max_concurrent_upstream", "positive_int"),
                "max_queue": ("max_queue", "non_negative_int"), "queue_timeout_s": ("queue_timeout_s", "positive")},
     "tls": {"cert": ("tls_cert", "path"), "key": ("tls_key", "path")},

@@ -2,7 +2,8 @@
 
 - A background check (every ``interval_s``) asks each upstream ``ModelReady`` for every
   served model (each call with ``timeout_s``): unreachable -> down; otherwise its
-  ready models are what it may be sent.
+  ready models are what it may be sent. A check that times out (a busy server answers
+  late) takes it out only after ``unhealthy_threshold`` such checks in a row.
 - Per request the pool picks, among upstreams where the model is ready, the one with
   the fewest requests outstanding. At most ``max_concurrent`` requests are in flight on
   one upstream; beyond that a request waits in a queue of at most ``max_queue``
@@ -45,6 +46,7 @@ class Member:
     draining: bool = False
     ready: set[str] = field(default_factory=set)
     outstanding: int = 0
+    timeouts: int = 0  # health checks in a row that timed out
 
     def serves(self, model: str) -> bool:
         return self.reachable and not self.draining and model in self.ready
@@ -57,11 +59,12 @@ class Member:
 
 @dataclass
 class PoolSettings:
-    max_concurrent: int = 128
+    max_concurrent: int = 1024
     max_queue: int = 512
     queue_timeout_s: float = 30.0
     interval_s: float = 2.0
     timeout_s: float = 2.0
+    unhealthy_threshold: int = 3
 
 
 class UpstreamPool:
@@ -88,7 +91,13 @@ class UpstreamPool:
             try:
                 if await self._ready(member, model):
                     ready.add(model)
-            except (UpstreamDown, TimeoutError, OSError):
+            except TimeoutError:
+                member.timeouts += 1
+                if member.checked and member.reachable and member.timeouts < self.settings.unhealthy_threshold:
+                    return  # late under load: keep it as it was until the threshold
+                reachable = False
+                break
+            except (UpstreamDown, OSError):
                 reachable = False
                 break
             except ApiError:
@@ -96,6 +105,8 @@ class UpstreamPool:
             except Exception:  # noqa: BLE001 - anything else unexpected: down, and the checks go on
                 reachable = False
                 break
+        if reachable:
+            member.timeouts = 0
         member.checked, member.reachable = True, reachable
         member.ready = ready if reachable else set()
         if reachable and ready:  # the check passed: a draining upstream is back
