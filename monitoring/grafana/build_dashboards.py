@@ -379,6 +379,25 @@ def serving() -> db.Dashboard:
            targets((f"min by (instance, upstream) (llmhost_gateway_upstream_up{{{HOST}}})",
                     "{{instance}} {{upstream}}")), [(None, "red"), (1, "green")], max_val=1),
     ]
+    # Where a stream's time goes between the engine and the client (docs/performance.md):
+    # each engine step should reach the client as its own event.
+    streaming = [
+        ts("Tokens per streamed event", "Output tokens of one completion in each response the gateway streams "
+           "(p50, p99): 1 when every engine step reaches the client as its own event; more means steps were "
+           "bunched on the way.", "short",
+           targets(*[(f"histogram_quantile({q}, sum by (le) (rate(llmhost_gateway_tokens_per_event_bucket"
+                      f"{{{SERVING}}}{RATE})))", f"p{round(q * 100)}") for q in (0.5, 0.99)]),
+           [(None, "green"), (1.5, "orange"), (3, "red")], w=8),
+        ts("Backend response delay", "From an engine output to its response leaving the backend (handed to "
+           "tritonserver, or written to the engine socket), p50/p99.", "s",
+           targets(*quantiles("llmhost:response_delay_seconds", (0.5, 0.99))),
+           [(None, "green"), (0.005, "orange"), (0.05, "red")], w=8),
+        ts("Engine socket to gateway", "From the backend writing a response on the engine socket to the gateway "
+           "reading it (streams of the gateway on the inference host), p50/p99.", "s",
+           targets(*[(f"histogram_quantile({q}, sum by (le) (rate(llmhost_gateway_upstream_transit_seconds_bucket"
+                      f"{{{SERVING}}}{RATE})))", f"p{round(q * 100)}") for q in (0.5, 0.99)]),
+           [(None, "green"), (0.005, "orange"), (0.05, "red")], w=8),
+    ]
     d = new_dashboard(
         "llmhost / LLM serving", "llmhost-serving",
         "Requests, latency, throughput and scheduler state of the models served by llmhost "
@@ -386,7 +405,8 @@ def serving() -> db.Dashboard:
         [datasource_var(), instance_var(), model_var()],
     )
     return add(d, [("Overview", overview), ("Requests", traffic), ("Latency", latency),
-                   ("Throughput and load", load), ("Request lengths", lengths), ("Gateway", gateway)])
+                   ("Throughput and load", load), ("Request lengths", lengths), ("Gateway", gateway),
+                   ("Streaming path", streaming)])
 
 
 # --- (b) Triton ---------------------------------------------------------------------------------
