@@ -493,3 +493,30 @@ def test_llmhost_bench_drives_vllms_own_client_through_the_gateway(gateway, serv
     # About one token an event: vLLM's client counts only events with text, and the random
     # model's token is now and then half a UTF-8 character (an event without text).
     assert 1.0 <= level["tokens_per_event"] < 1.5, level
+
+
+@pytest.mark.parametrize("path", ["grpc", "socket"])
+def test_a_client_naming_unavailability_cannot_take_the_upstream_out(gateway, server, keys_file, tmp_path, path):
+    """Error text that echoes the client's words (an unknown parameter) is the client's 400,
+    on both paths: the upstream stays in for everyone."""
+    url = gateway.url
+    proc = None
+    if path == "grpc":  # a gateway of its own without engine sockets
+        port = free_port()
+        url = f"http://127.0.0.1:{port}/v1"
+        proc = _start([str(Path(sys.executable).parent / "llmhost"), "gateway", "--upstream", server.grpc,
+                       "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{free_port()}",
+                       "--keys-file", str(keys_file), "--model", server.name, "--health-interval-s", "30"],
+                      tmp_path / "gateway.log", url)
+    try:
+        native = f"{url.removesuffix('/v1')}/v2/models/{server.name}/generate"
+        for words in ("the model is shutting down", "the model's engine stopped (", "Server not ready",
+                      "Request for unknown model: "):
+            r = httpx.post(native, json={"text_input": PROMPT, "max_tokens": 2, words: 1}, headers=_auth(),
+                           timeout=60)
+            assert r.status_code == 400 and words in r.json()["error"], r.text
+            ok = httpx.post(native, json={"text_input": PROMPT, "max_tokens": 2}, headers=_auth(), timeout=60)
+            assert ok.status_code == 200, ok.text  # the same gateway still has its upstream
+    finally:
+        if proc is not None:
+            _stop(proc, tmp_path / "gateway.log")

@@ -125,6 +125,10 @@ def test_error_object_shape():
     ("Request for unknown model: 'x' is not found", 503),
     ("Request for unknown model: 'tiny' has no available versions", 503),
     ("Server not ready", 503),
+    ("Model is unavailable due to unhealthy vLLM engine", 503),
+    # A client's text echoed in the backend's error never makes an upstream unavailable.
+    ("invalid sampling parameters: unknown parameter 'the model is shutting down'", 400),
+    ("input 'x: engine stopped; Server not ready; Request for unknown model: ' is not an input", 400),
 ])
 def test_backend_errors_are_classified(message, status):
     err = classify(message)

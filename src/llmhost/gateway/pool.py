@@ -10,8 +10,9 @@
   requests for up to ``queue_timeout_s``, then gets 503 with ``Retry-After``. A full
   queue, or no upstream where the model is ready, is 503 at once.
 - A call that fails with UNAVAILABLE (unreachable, stream dropped) marks that upstream
-  down; a backend answer containing "shutting down" or "engine stopped" takes it out
-  (draining) until a health check passes again. Either way, when nothing of the answer
+  down; a backend answer that it is shutting down or its engine stopped (upstream.classify,
+  or the engine socket's ``unavailable`` kind) takes it out (draining) until a health
+  check passes again. Either way, when nothing of the answer
   was produced yet, the request is tried once more on another ready upstream; never
   after a response went to the client.
 """

@@ -39,15 +39,18 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from llmhost.gateway.errors import ApiError, invalid
 from llmhost.gateway.mapping import BackendRequest
 
-# Backend messages that mean "this server cannot serve now; retry" (503), not
-# "your request is wrong" (400). See llmhost.backend.watchdog and model.py.
-_UNAVAILABLE_MARKERS = ("engine stopped", "shutting down")
-# Triton's own answers for a model it does not serve now: "Request for unknown model:
-# 'm' has no available versions" while it unloads on stop, "... is not found", "Server
-# not ready". The gateway sends only the models it serves, so this upstream cannot
-# serve it now (503, and the request is retried on another upstream).
-_NOT_SERVING_MARKERS = ("request for unknown model", "no available versions", "not at ready state",
-                        "server not ready")
+# How the messages begin that mean "this server cannot serve now; retry" (503), not
+# "your request is wrong" (400): the backend's (llmhost.backend.watchdog, health.py,
+# model.py, engine.py) and Triton's own for a model it does not serve now ("Request for
+# unknown model: 'm' has no available versions" while it unloads on stop, "... is not
+# found", "Server not ready"; the gateway sends only the models it serves, so this
+# upstream cannot serve it now and the request is retried on another). Only the
+# beginning counts: a message that echoes a client's text (an unknown parameter's
+# name) begins with the backend's own words, so no client can make an upstream look
+# unavailable to every other client.
+_UNAVAILABLE_PREFIXES = ("the model's engine stopped (", "the model is shutting down",
+                         "Model is unavailable due to unhealthy vLLM engine", "Request for unknown model: ",
+                         "Server not ready")
 _MAX_MESSAGE = 64 * 1024 * 1024
 # How long a finished call may take to end after the client half-closed it (Triton
 # ends it at once); after that it is cancelled.
@@ -179,7 +182,7 @@ class Draining(ApiError):
 
 def classify(message: str) -> ApiError:
     """A backend error message -> the error the client sees."""
-    if any(m in message for m in _UNAVAILABLE_MARKERS) or any(m in message.lower() for m in _NOT_SERVING_MARKERS):
+    if message.startswith(_UNAVAILABLE_PREFIXES):
         return Draining(message)
     if message.startswith("internal error"):
         return ApiError(500, message, "server_error", None, "internal_error")
