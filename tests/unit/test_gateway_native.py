@@ -168,6 +168,26 @@ def test_the_keys_max_tokens_cap_applies():
     assert fake.seen[-1].parameters["max_tokens"].int64_param == 16
 
 
+@pytest.mark.parametrize("spelling", [4096.0, "4096", " 4096 ", "+4096", "100_000", "4_0_9_6", {"sp": '"4096"'}])
+def test_no_spelling_of_a_number_passes_the_keys_cap(spelling: Any):
+    """The gateway reads max_tokens as the backend will (llmhost.backend.sampling.to_int)."""
+    body: dict[str, Any] = {"text_input": "x"}
+    if isinstance(spelling, dict):  # in the JSON input instead of a parameter
+        body["sampling_parameters"] = '{"max_tokens": ' + spelling["sp"] + "}"
+    else:
+        body["max_tokens"] = spelling
+    fake = Fake()
+    r = _run(make_app(fake, keystore(max_tokens=16)), "POST", "/v2/models/m/generate", json=body)
+    assert r.status_code == 400 and "at most 16" in r.json()["error"], r.text
+    assert not fake.seen  # nothing reached the backend
+
+
+def test_a_max_tokens_that_is_no_number_is_refused_naming_it():
+    r = _run(make_app(Fake(), keystore(max_tokens=16)), "POST", "/v2/models/m/generate",
+             json={"text_input": "x", "max_tokens": "lots"})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"], r.text
+
+
 def test_native_requests_take_the_keys_rate_limits():
     app = make_app(Fake(), keystore(rpm=1))
     assert _run(app, "POST", "/v2/models/m/generate", json={"text_input": "x"}).status_code == 200

@@ -99,7 +99,9 @@ def _to_float(key: str, value: Any) -> float:
     return out
 
 
-def _to_int(key: str, value: Any) -> int:
+def to_int(key: str, value: Any) -> int:
+    """An integer parameter as the backend reads it (the gateway reads max_tokens and n
+    with it too, so that a key's cap sees the number the engine will get)."""
     if isinstance(value, bool):
         raise _err(key, "an integer", value)
     if isinstance(value, int):
@@ -138,7 +140,7 @@ def _json_maybe(key: str, value: Any) -> Any:
 
 
 def _token_id(key: str, value: Any) -> int:
-    out = _to_int(key, value)
+    out = to_int(key, value)
     if not 0 <= out <= TOKEN_ID_MAX:
         raise _err(key, f"token ids (integers from 0 to {TOKEN_ID_MAX})", value)
     return out
@@ -161,7 +163,7 @@ def _coerce(key: str, kind: str, value: Any) -> Any:
     if kind in ("int", "opt_int"):
         if value is None and kind == "opt_int":
             return None
-        out = _to_int(key, value)
+        out = to_int(key, value)
         if not SEED_MIN <= out <= SEED_MAX:
             # vLLM's own server takes seeds in torch.long's range; larger ones overflow in its GPU runner.
             raise _err(key, f"an integer from {SEED_MIN} to {SEED_MAX} (64-bit)", value)

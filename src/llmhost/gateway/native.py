@@ -34,6 +34,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from tritonclient.grpc import service_pb2
 
+from llmhost.backend.errors import RequestError
+from llmhost.backend.sampling import to_int
 from llmhost.gateway.errors import ApiError, invalid
 from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
 from llmhost.gateway.record import RequestRecord, record_of
@@ -133,23 +135,30 @@ class NativeRequest:
     def _asked(self, name: str) -> Any:
         return self.params[name] if name in self.params else self._sampling().get(name)
 
+    def _number(self, name: str) -> int | None:
+        """An integer parameter as the backend will read it (llmhost.backend.sampling.to_int)."""
+        asked = self._asked(name)
+        if asked is None:
+            return None
+        try:
+            return to_int(name, asked)
+        except RequestError as exc:
+            raise invalid(str(exc), name) from None
+
     def _cap(self, cap: int | None) -> None:
-        asked = self._asked("max_tokens")
-        if isinstance(asked, str) and asked.strip().isdigit():
-            asked = int(asked)
+        asked = self._number("max_tokens")
         if cap is not None:
             if asked is None:
                 self.params["max_tokens"] = cap
                 asked = cap
-            elif isinstance(asked, int) and not isinstance(asked, bool) and asked > cap:
+            elif asked > cap:
                 raise invalid(f"'max_tokens' is {asked}; this API key may ask for at most {cap}", "max_tokens",
                               "max_tokens_above_cap")
-        self.max_tokens = asked if isinstance(asked, int) and not isinstance(asked, bool) else None
+        self.max_tokens = asked
 
     def estimate(self) -> int:
-        n = self._asked("n")
-        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-        return (self.max_tokens or DEFAULT_MAX_TOKENS) * n
+        n = self._number("n")
+        return (self.max_tokens or DEFAULT_MAX_TOKENS) * (n if n is not None and n > 0 else 1)
 
     def _backend_inputs(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The backend's inputs (the counts always asked for) and request parameters."""
