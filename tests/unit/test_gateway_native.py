@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.upstream import UpstreamDown, classify
 from tests.unit._gateway_fakes import Fake, client, infer_response, keystore, make_app
 
@@ -186,6 +187,20 @@ def test_a_max_tokens_that_is_no_number_is_refused_naming_it():
     r = _run(make_app(Fake(), keystore(max_tokens=16)), "POST", "/v2/models/m/generate",
              json={"text_input": "x", "max_tokens": "lots"})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("body", [
+    b'{"text_input": "x", "max_tokens": "\xc2\xb2"}',  # a superscript two: a digit to str.isdigit
+    b'{"text_input": "x", "n": "\xc2\xb2"}',
+    b'{"text_input": "x", "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    b'{"text_input": "x", "sampling_parameters": "{\\"max_tokens\\": \\"\xc2\xb2\\"}"}',
+])
+def test_malformed_native_input_is_a_400_without_a_traceback(body: bytes):
+    config = GatewayConfig(upstreams=["up:1"], models=["m"], max_body_bytes=1 << 20)
+    app = make_app(Fake(), keystore(max_tokens=16), config=config)
+    r = _run(app, "POST", "/v2/models/m/generate", content=body)
+    assert r.status_code == 400, r.text
+    assert "Traceback" not in r.text and "File " not in r.text
 
 
 def test_native_requests_take_the_keys_rate_limits():
