@@ -278,6 +278,27 @@ def test_body_over_the_limit_is_413(client, server):
     assert _error(info.value)["code"] == "request_too_large"
 
 
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_64_mib_body_gets_its_413_not_a_reset(gateway, server, declared):
+    """Sent as a slow client sends it (1 MiB at a time), with its Content-Length or chunked: the
+    client gets the 413 (not a reset connection), and the gateway serves the next request."""
+    body = b'{"model": "tiny", "prompt": "' + b"x" * (64 << 20) + b'"}'
+
+    def slowly() -> Iterator[bytes]:
+        for i in range(0, len(body), 1 << 20):
+            time.sleep(0.01)
+            yield body[i:i + (1 << 20)]
+
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    if declared:
+        headers["Content-Length"] = str(len(body))
+    r = httpx.post(f"{gateway.url}/completions", content=slowly(), timeout=120, headers=headers)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
+    ok = httpx.post(f"{gateway.url}/completions", json={"model": server.name, "prompt": PROMPT, "max_tokens": 2},
+                    headers=_auth(), timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
 def test_disconnect_cancels_the_engine_request(gateway, server):
     cancelled = server.metric("vllm:request_cancelled_total")
     body = {"model": server.name, "prompt": "def main():", "max_tokens": 400, "ignore_eos": True, "stream": True}
