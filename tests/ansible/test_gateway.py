@@ -60,6 +60,7 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("CPU affinity not CPUs", {**keys({"name": "a", "key": KEY}), "gateway_cpu_affinity": "cores 1"},
      ("gateway_cpu_affinity", "CPU numbers or ranges")),
     ("port clash", {**keys({"name": "a", "key": KEY}), "gateway_port": 18081}, ("gateway_port",)),
+    ("models not a list", keys({"name": "a", "key": KEY, "models": "tiny"}), ("gateway_api_keys[0] (a)", "models")),
     ("unknown model", {**keys({"name": "a", "key": KEY}), "gateway_models": ["llama"]}, ("gateway_models", "llama")),
     ("bad upstream", {**keys({"name": "a", "key": KEY}), "gateway_upstreams": ["localhost"]}, ("gateway_upstreams",)),
 ]
@@ -101,14 +102,14 @@ def _render(tmp_path: Path, extra: dict[str, Any]) -> PlaybookRun:
 
 def test_keys_file_holds_hashes_and_limits_only(tmp_path: Path) -> None:
     run = _render(tmp_path, {**keys({"name": "alice", "key": KEY, "max_tokens": 256, "rpm": 60},
-                                    {"name": "bob", "sha256": SHA.upper(), "max_concurrent": 2}),
+                                    {"name": "bob", "sha256": SHA.upper(), "max_concurrent": 2, "models": ["tiny"]}),
                              "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
     assert run.rc == 0, run.output
     text = (tmp_path / "keys.json").read_text()
     assert KEY not in text and KEY not in run.output
     assert json.loads(text) == {"keys": [
         {"name": "alice", "sha256": hashlib.sha256(KEY.encode()).hexdigest(), "max_tokens": 256, "rpm": 60},
-        {"name": "bob", "sha256": SHA, "max_concurrent": 2}]}
+        {"name": "bob", "sha256": SHA, "max_concurrent": 2, "models": ["tiny"]}]}
 
 
 def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> None:

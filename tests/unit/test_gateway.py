@@ -162,6 +162,8 @@ def test_missing_or_wrong_key_is_401(header):
     (f"keys: [{{name: a, sha256: {hash_key(KEY)}}}, {{name: a, sha256: {hash_key(KEY + 'x')}}}]", "twice"),
     ("[]", "'keys' list"),
     ("keys: [", "neither JSON nor YAML"),
+    (f"keys: [{{name: a, sha256: {hash_key(KEY)}, models: []}}]", "keys[0].models"),
+    (f"keys: [{{name: a, sha256: {hash_key(KEY)}, models: tiny}}]", "keys[0].models"),
 ])
 def test_bad_keys_files_name_the_entry(text, names):
     with pytest.raises(KeysError, match=names.replace("[", r"\[").replace("]", r"\]")):

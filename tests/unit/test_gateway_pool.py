@@ -14,7 +14,7 @@ from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.mapping import BackendRequest
 from llmhost.gateway.pool import PoolSettings, UpstreamPool
 from llmhost.gateway.upstream import Piece, UpstreamDown
-from tests.unit._gateway_fakes import Fake, chat, client, make_app
+from tests.unit._gateway_fakes import Fake, chat, client, keystore, make_app
 
 
 def _pool(*fakes: Fake, models: tuple[str, ...] = ("m",), **settings: Any) -> UpstreamPool:
@@ -311,3 +311,24 @@ def test_an_unexpected_failure_of_a_health_check_marks_down_and_checks_go_on():
     pool = _pool(Broken("a"), Fake("b"))
     asyncio.run(pool.check())
     assert [up for _, up, _ in pool.snapshot()] == [False, True]
+
+
+def test_a_key_sees_only_the_models_it_may_use():
+    fake = Fake(ready=("m", "other"))
+    app = make_app(UpstreamPool([("up:1", fake)], ["m", "other"]),
+                   keys=keystore(models=["other"]), config=GatewayConfig(upstreams=["up:1"], models=["m", "other"]))
+
+    async def go() -> list[Any]:
+        async with client(app) as c:
+            return [await c.get("/v1/models"), await c.get("/v1/models/m"),
+                    await c.post("/v1/chat/completions", content=chat()),
+                    await c.post("/v2/models/m/generate", json={"text_input": "x"}),
+                    await c.get("/v2/models/m/ready"),
+                    await c.post("/v1/chat/completions", content=chat(model="other"))]
+
+    listing, one, completion, native, ready, allowed = asyncio.run(go())
+    assert [m["id"] for m in listing.json()["data"]] == ["other"]
+    for r in (one, completion, native, ready):
+        assert r.status_code == 404, r.text
+    assert completion.json()["error"]["code"] == "model_not_found"
+    assert allowed.status_code == 200 and fake.seen[-1].model == "other"

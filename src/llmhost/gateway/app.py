@@ -118,9 +118,9 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         try:
-            self.auth(request)
+            key = self.auth(request)
             data = [{"id": name, "object": "model", "created": 0, "owned_by": "llmhost"}
-                    for name in await self.pool.ready_models()]
+                    for name in await self.pool.ready_models() if key.may_use(name)]
         except ApiError as exc:
             return error_response(exc)
         return json_response({"object": "list", "data": data})
@@ -128,8 +128,8 @@ class Gateway:
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
         try:
-            self.auth(request)
-            if name not in self.config.models or not await self.pool.model_ready(name):
+            key = self.auth(request)
+            if name not in self.config.models or not key.may_use(name) or not await self.pool.model_ready(name):
                 raise model_not_found(name)
         except ApiError as exc:
             return error_response(exc)
@@ -149,7 +149,7 @@ class Gateway:
             raw = await read_body(request, self.config.max_body_bytes)
             req = to_backend(parse_body(raw, chat), key.max_tokens)
             rec.model = req.model
-            if req.model not in self.config.models:
+            if req.model not in self.config.models or not key.may_use(req.model):
                 raise model_not_found(req.model)
             self.admit(request, key, _estimate(req))
             pieces = _counted(self.pool.stream(req.model, lambda client: client.generate(req),

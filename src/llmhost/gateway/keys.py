@@ -9,8 +9,11 @@ The keys file (JSON or YAML) holds only hashes, never a key::
         rpm: 60                # optional: requests per minute (a token bucket, a minute's burst)
         tpm: 100000            # optional: tokens per minute, prompt + completion (a token bucket)
         max_concurrent: 4      # optional: requests and streams of this key in flight at once
+        models: [tiny]         # optional: the only models this key may use (default: every one)
 
-Over ``rpm``, ``tpm`` or ``max_concurrent`` a request gets 429 (see ``limits``).
+Over ``rpm``, ``tpm`` or ``max_concurrent`` a request gets 429 (see ``limits``). A
+model outside a key's ``models`` is, to that key, a model that does not exist (404,
+and absent from ``/v1/models``).
 
 ``llmhost gateway hash-key`` prints the hash of a key read from stdin.
 """
@@ -45,6 +48,10 @@ class ApiKey:
     rpm: int | None = None
     tpm: int | None = None
     max_concurrent: int | None = None
+    models: frozenset[str] | None = None  # None: every served model
+
+    def may_use(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
 
 def hash_key(key: str) -> str:
@@ -56,9 +63,10 @@ def _entry(i: int, raw: Any) -> ApiKey:
     where = f"keys[{i}]"
     if not isinstance(raw, dict):
         raise KeysError(f"{where} must be a mapping with 'name' and 'sha256'")
-    extra = sorted(set(raw) - {"name", "sha256", *_LIMITS})
+    extra = sorted(set(raw) - {"name", "sha256", "models", *_LIMITS})
     if extra:
-        raise KeysError(f"{where} has unknown field(s) {extra}; allowed: name, sha256, {', '.join(_LIMITS)}")
+        raise KeysError(f"{where} has unknown field(s) {extra}; allowed: name, sha256, {', '.join(_LIMITS)}, "
+                        "models")
     name, digest = raw.get("name"), raw.get("sha256")
     if not isinstance(name, str) or not _NAME.match(name):
         raise KeysError(f"{where}.name must be 1-64 letters, digits or _.@- (got {type(name).__name__})")
@@ -70,7 +78,11 @@ def _entry(i: int, raw: Any) -> ApiKey:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise KeysError(f"{where}.{field} must be a positive integer")
         limits[field] = value
-    return ApiKey(name, digest.lower(), **limits)
+    models = raw.get("models")
+    if models is not None and (not isinstance(models, list) or not models
+                               or not all(isinstance(m, str) and m for m in models)):
+        raise KeysError(f"{where}.models must be a non-empty list of model names")
+    return ApiKey(name, digest.lower(), **limits, models=frozenset(models) if models is not None else None)
 
 
 def parse_keys(text: str, source: str = "keys file") -> list[ApiKey]:

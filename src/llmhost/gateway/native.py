@@ -241,10 +241,11 @@ class NativeApi:
             Route("/v2/models/{model}/generate_stream", self.generate_stream, methods=["POST"]),
         ]
 
-    def _served(self, request: Request) -> str:
+    def _served(self, request: Request, key: ApiKey) -> str:
+        """The model of the path, served here and open to KEY (else 404, as for no such model)."""
         model = str(request.path_params["model"])
         record_of(request.scope).model = model
-        if model not in self.gw.config.models:
+        if model not in self.gw.config.models or not key.may_use(model):
             raise ApiError(404, f"Request for unknown model: '{model}' is not served here", "not_found_error",
                            "model", "model_not_found")
         return model
@@ -258,16 +259,16 @@ class NativeApi:
 
     async def ready(self, request: Request) -> Response:
         try:
-            self.gw.auth(request)
-            ready = set(await self.gw.pool.ready_models()) >= set(self.gw.config.models)
+            key = self.gw.auth(request)
+            mine = {m for m in self.gw.config.models if key.may_use(m)}
+            ready = set(await self.gw.pool.ready_models()) >= mine
         except ApiError as exc:
             return error_response(exc, triton=True)
         return Response(None, 200 if ready else 400)
 
     async def model_ready(self, request: Request) -> Response:
         try:
-            self.gw.auth(request)
-            model = self._served(request)
+            model = self._served(request, self.gw.auth(request))
             ready = await self.gw.pool.model_ready(model)
         except ApiError as exc:
             return error_response(exc, triton=True)
@@ -275,8 +276,7 @@ class NativeApi:
 
     async def metadata(self, request: Request) -> Response:
         try:
-            self.gw.auth(request)
-            model = self._served(request)
+            model = self._served(request, self.gw.auth(request))
             body = await self.gw.pool.call(model, lambda client: client.model_metadata(model))
         except ApiError as exc:
             return error_response(exc, triton=True)
@@ -301,7 +301,7 @@ class NativeApi:
         rec = record_of(request.scope)
         try:
             key = self.gw.auth(request)
-            model = self._served(request)
+            model = self._served(request, key)
             raw = await read_body(request, self.gw.config.max_body_bytes)
             try:
                 body = json.loads(raw)
