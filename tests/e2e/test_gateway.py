@@ -541,3 +541,27 @@ def test_a_client_naming_unavailability_cannot_take_the_upstream_out(gateway, se
     finally:
         if proc is not None:
             _stop(proc, tmp_path / "gateway.log")
+
+
+def test_vllms_structured_outputs_and_stop_token_ids(client, gateway, server):
+    choice = client.chat.completions.create(model=server.name, messages=_chat("yes or no?"), max_tokens=8,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].message.content in ("yes", "no"), choice
+    digits = client.completions.create(model=server.name, prompt=PROMPT, max_tokens=6, temperature=0,
+                                       extra_body={"guided_regex": "[0-9]{3}"})
+    assert len(digits.choices[0].text) == 3 and digits.choices[0].text.isdigit(), digits
+    # The first token the model picks at temperature 0 (its id from the native door's logprobs),
+    # as a stop token: nothing is generated.
+    r = httpx.post(f"{_native(gateway)}/v2/models/{server.name}/generate", headers=_auth(), timeout=60,
+                   json={"text_input": PROMPT, "max_tokens": 1, "temperature": 0, "logprobs": 0,
+                         "return_logprobs": True, "exclude_input_in_output": True})
+    assert r.status_code == 200, r.text
+    ids = [int(token) for position in json.loads(r.json()["logprobs"]) for token in position]
+    assert len(ids) == 1, r.text
+    stopped = client.completions.create(model=server.name, prompt=PROMPT, max_tokens=8, temperature=0,
+                                        extra_body={"stop_token_ids": ids})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == "", stopped
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=server.name, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"structured_outputs": {"regexp": "x"}})
+    assert "regexp" in _error(info.value)["message"]

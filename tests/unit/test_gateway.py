@@ -75,6 +75,10 @@ def test_response_format_maps_to_the_backend_json_schema():
     (_chat(response_format={"type": "json_schema"}), "response_format.json_schema", 400),
     (_chat(response_format={"type": "xml"}), "response_format.type", 400),
     (_chat(max_tokens=3, max_completion_tokens=4), "max_completion_tokens", 400),
+    (_chat(stop_token_ids=[1, "2"]), "stop_token_ids[1]", 400),
+    (_chat(skip_special_tokens="no"), "skip_special_tokens", 400),
+    (_chat(structured_outputs="json"), "structured_outputs", 400),
+    (_chat(response_format={"type": "json_object"}, guided_choice=["a"]), "guided_choice", 400),
     (json.dumps({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": []}]}).encode(),
      "messages[0].tool_calls", 400),
     (json.dumps({"model": "m", "messages": [{"role": "robot", "content": "x"}]}).encode(), "messages[0].role", 400),
@@ -88,6 +92,14 @@ def test_bad_requests_name_the_field(body, param, status):
     assert info.value.status == status and info.value.param == param
     if param:
         assert param.split("[")[0].split(".")[0] in info.value.message
+
+
+def test_vllms_sampling_and_structured_output_fields_reach_the_backend():
+    req = _map(_chat(stop_token_ids=[7, 9], include_stop_str_in_output=True, skip_special_tokens=False,
+                     structured_outputs={"choice": ["yes", "no"]}))
+    assert req.sampling == {"stop_token_ids": [7, 9], "include_stop_str_in_output": True,
+                            "skip_special_tokens": False, "structured_outputs": {"choice": ["yes", "no"]}}
+    assert _map(_chat(guided_regex="[0-9]+")).sampling == {"guided_regex": "[0-9]+"}
 
 
 def test_null_or_false_unsupported_fields_are_accepted():

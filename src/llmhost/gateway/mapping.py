@@ -18,7 +18,11 @@ from llmhost.gateway.openai_models import (
 
 # Sampling fields passed to the backend under the same name when given.
 PASSED = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-          "repetition_penalty", "ignore_eos", "min_tokens")
+          "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+          "skip_special_tokens", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+          "guided_grammar")
+# vLLM's ways to ask for structured output besides response_format.
+STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 @dataclass
@@ -126,7 +130,10 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
     max_tokens = _max_tokens(req, cap)
     if max_tokens is not None:
         sampling["max_tokens"] = max_tokens
-    sampling.update(_structured(req.response_format))
+    fmt = _structured(req.response_format)
+    if fmt and (also := next((name for name in STRUCTURED if name in sampling), None)):
+        raise invalid(f"give response_format or '{also}', not both", also)
+    sampling.update(fmt)
     if req.stream_options is not None and not req.stream:
         raise invalid("'stream_options' is only allowed with stream: true", "stream_options")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

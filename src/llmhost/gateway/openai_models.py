@@ -13,9 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 UNSUPPORTED_COMMON = ("logprobs", "top_logprobs", "logit_bias", "suffix", "echo", "best_of", "tools",
                       "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
                       "modalities", "prediction", "store", "metadata", "service_tier", "reasoning_effort",
-                      "web_search_options", "prompt_logprobs", "guided_json", "guided_regex",
-                      "guided_choice", "guided_grammar", "structured_outputs", "use_beam_search",
-                      "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+                      "web_search_options", "prompt_logprobs", "use_beam_search")
 
 Number = float
 
@@ -70,6 +68,16 @@ class _Sampling(_Strict):
     repetition_penalty: Number | None = Field(default=None, gt=0)
     ignore_eos: StrictBool | None = None
     min_tokens: StrictInt | None = Field(default=None, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    # vLLM's structured outputs: {"json" | "regex" | "choice" | "grammar": ...}, or one of
+    # its older top-level names (the backend checks them as it checks Triton's requests).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
