@@ -171,7 +171,7 @@ def test_the_keys_max_tokens_cap_applies():
 
 @pytest.mark.parametrize("spelling", [4096.0, "4096", " 4096 ", "+4096", "100_000", "4_0_9_6", {"sp": '"4096"'}])
 def test_no_spelling_of_a_number_passes_the_keys_cap(spelling: Any):
-    """The gateway reads max_tokens as the backend will (llmhost.backend.sampling.to_int)."""
+    """The gateway reads max_tokens as the backend will (llmhost.numbers.integer)."""
     body: dict[str, Any] = {"text_input": "x"}
     if isinstance(spelling, dict):  # in the JSON input instead of a parameter
         body["sampling_parameters"] = '{"max_tokens": ' + spelling["sp"] + "}"

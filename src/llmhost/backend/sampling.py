@@ -29,6 +29,7 @@ from llmhost.backend.limits import (
     SEED_MAX,
     SEED_MIN,
 )
+from llmhost.numbers import integer
 
 
 class SamplingError(RequestError):
@@ -99,21 +100,12 @@ def _to_float(key: str, value: Any) -> float:
     return out
 
 
-def to_int(key: str, value: Any) -> int:
-    """An integer parameter as the backend reads it (the gateway reads max_tokens and n
-    with it too, so that a key's cap sees the number the engine will get)."""
-    if isinstance(value, bool):
+def _to_int(key: str, value: Any) -> int:
+    """An integer parameter, as the gateway reads it too (llmhost.numbers)."""
+    out = integer(value)
+    if out is None:
         raise _err(key, "an integer", value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            raise _err(key, "an integer", value) from None
-    raise _err(key, "an integer", value)
+    return out
 
 
 def _to_bool(key: str, value: Any) -> bool:
@@ -140,7 +132,7 @@ def _json_maybe(key: str, value: Any) -> Any:
 
 
 def _token_id(key: str, value: Any) -> int:
-    out = to_int(key, value)
+    out = _to_int(key, value)
     if not 0 <= out <= TOKEN_ID_MAX:
         raise _err(key, f"token ids (integers from 0 to {TOKEN_ID_MAX})", value)
     return out
@@ -163,7 +155,7 @@ def _coerce(key: str, kind: str, value: Any) -> Any:
     if kind in ("int", "opt_int"):
         if value is None and kind == "opt_int":
             return None
-        out = to_int(key, value)
+        out = _to_int(key, value)
         if not SEED_MIN <= out <= SEED_MAX:
             # vLLM's own server takes seeds in torch.long's range; larger ones overflow in its GPU runner.
             raise _err(key, f"an integer from {SEED_MIN} to {SEED_MAX} (64-bit)", value)

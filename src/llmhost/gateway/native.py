@@ -34,12 +34,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 from tritonclient.grpc import service_pb2
 
-from llmhost.backend.errors import RequestError
-from llmhost.backend.sampling import to_int
 from llmhost.gateway.errors import ApiError, invalid
 from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
 from llmhost.gateway.record import RequestRecord, record_of
 from llmhost.gateway.responses import sse
+from llmhost.numbers import integer
 
 if TYPE_CHECKING:
     from llmhost.gateway.app import Gateway
@@ -136,14 +135,14 @@ class NativeRequest:
         return self.params[name] if name in self.params else self._sampling().get(name)
 
     def _number(self, name: str) -> int | None:
-        """An integer parameter as the backend will read it (llmhost.backend.sampling.to_int)."""
+        """An integer parameter as the backend will read it (llmhost.numbers)."""
         asked = self._asked(name)
         if asked is None:
             return None
-        try:
-            return to_int(name, asked)
-        except RequestError as exc:
-            raise invalid(str(exc), name) from None
+        value = integer(asked)
+        if value is None:
+            raise invalid(f"parameter '{name}' must be an integer, got {str(asked)[:40]!r}", name)
+        return value
 
     def _cap(self, cap: int | None) -> None:
         asked = self._number("max_tokens")
