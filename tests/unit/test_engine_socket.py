@@ -6,6 +6,7 @@ cancels in the engine; the socket's and folder's modes; a live socket is not tak
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import stat
 from collections.abc import AsyncIterator, Iterator
@@ -132,10 +133,24 @@ def test_hanging_up_cancels_the_request_in_the_engine(served: Served):
     assert served.runner.metrics._counters[("vllm:request_cancelled_total", None)] == 1
 
 
-def test_the_socket_is_the_groups_and_its_folder_closed_to_others(served: Served):
+def test_the_socket_is_the_groups_and_its_folders_closed_to_others(served: Served, tmp_path: Path):
     assert stat.S_IMODE(served.server.path.stat().st_mode) == 0o660
     assert stat.S_IMODE(served.server.path.parent.stat().st_mode) == 0o750
     assert served.server.path.name == "1-tiny_0.sock"
+    # Under the unit's umask (0077) too: the folders the server makes let the group in.
+    old = os.umask(0o077)
+    try:
+        path = socket_path(tmp_path / "run" / "engine", "tiny", "1", "tiny_1")
+        (tmp_path / "run").mkdir()
+        other = StreamSocketServer(served.runner, served.runner.config.settings, path, served.log)
+        assert other.open()
+    finally:
+        os.umask(old)
+    try:
+        for p, mode in ((path, 0o660), (path.parent, 0o750), (path.parent.parent, 0o750)):
+            assert stat.S_IMODE(p.stat().st_mode) == mode, p
+    finally:
+        other.close()
 
 
 def test_a_live_socket_is_not_taken_and_a_stale_one_is(served: Served, tmp_path: Path):

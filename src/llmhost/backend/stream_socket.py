@@ -150,8 +150,9 @@ class StreamSocketServer:
     def _prepare(self) -> None:
         """The folder (0750) and no socket left at the path; a live one (another
         instance of this name) is not taken over."""
-        self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-        os.chmod(self.path.parent, 0o750)
+        for folder in (self.path.parent.parent, self.path.parent):  # the sockets' folder, the model's
+            folder.mkdir(mode=0o750, exist_ok=True)
+            os.chmod(folder, 0o750)  # whatever the umask (the unit's is 0077): the group must get in
         try:
             mode = self.path.lstat().st_mode
         except FileNotFoundError:
