@@ -59,6 +59,11 @@ KINDS = {INVALID_REQUEST: "invalid", SHUTTING_DOWN: "unavailable", ENGINE_DEAD: 
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
+def error_line(message: str, reason: str) -> bytes:
+    """The line that ends a request with an error; REASON is vllm:request_failed_total's label."""
+    return _encode({"error": message, "kind": KINDS.get(reason, "internal")}).encode("utf-8", "surrogatepass") + b"\n"
+
+
 def socket_path(directory: Path, model: str, version: str, instance: str) -> Path:
     """Where one model instance's socket lives."""
     return directory / model / f"{version}-{instance}.sock"
@@ -80,27 +85,28 @@ def request_inputs(raw: dict[str, Any]) -> dict[str, Any]:
 class SocketSink:
     """One request's responses, written as lines by the engine loop itself."""
 
-    __slots__ = ("active", "counted", "delays", "flags", "writer")
+    __slots__ = ("active", "counted", "flags", "server", "writer")
 
-    def __init__(self, writer: asyncio.StreamWriter, flags: frozenset[str], delays: list[float]) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, flags: frozenset[str], server: StreamSocketServer) -> None:
         self.writer = writer
         self.flags = flags
-        self.delays = delays  # the server's, observed into the metrics in batches
+        self.server = server  # its delays are observed into the metrics in batches
         self.counted = False
         self.active: Active | None = None
 
-    def _write(self, obj: dict[str, Any]) -> None:
+    def _write(self, line: bytes) -> None:
         if not self.writer.is_closing():
-            self.writer.write(_encode(obj).encode("utf-8", "surrogatepass") + b"\n")
+            self.writer.write(line)
 
     def send(self, chunk: Chunk) -> None:
         outputs = response_outputs(chunk, self.flags, self.counted)
         self.counted = self.counted or "num_input_tokens" in outputs
-        self._write({"outputs": outputs, "final": chunk.final, "t": time.time()})
-        self.delays.append(time.monotonic() - chunk.made)
+        self._write(_encode({"outputs": outputs, "final": chunk.final, "t": time.time()})
+                    .encode("utf-8", "surrogatepass") + b"\n")
+        self.server.delays.append(time.monotonic() - chunk.made)
 
     def fail(self, message: str, reason: str = ENGINE_ERROR) -> None:
-        self._write({"error": message, "kind": KINDS.get(reason, "internal")})
+        self._write(error_line(message, reason))
 
     def cancelled(self) -> None:
         """The client hung up: nobody is left to answer."""
@@ -189,8 +195,7 @@ class StreamSocketServer:
             self._flush()
 
     def _flush(self) -> None:
-        delays = self.delays[:]
-        del self.delays[:len(delays)]  # the sinks hold this list: emptied in place
+        delays, self.delays = self.delays, []  # on the engine's loop, as the sinks that append to it
         if delays:
             self.runner.metrics.observe(RESPONSE_DELAY, delays)
 
@@ -207,7 +212,7 @@ class StreamSocketServer:
 
     def _refuse(self, writer: asyncio.StreamWriter, message: str, reason: str) -> None:
         self.runner.metrics.inc("vllm:request_failed_total", label=reason)
-        writer.write(_encode({"error": message, "kind": KINDS.get(reason, "internal")}).encode() + b"\n")
+        writer.write(error_line(message, reason))
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -243,7 +248,7 @@ class StreamSocketServer:
             self._refuse(writer, f"internal error: {type(exc).__name__}; the server log has the details",
                          ENGINE_ERROR)
             return
-        sink = SocketSink(writer, job.returns(), self.delays)
+        sink = SocketSink(writer, job.returns(), self)
         active = runner.submit_here(job, sink)
         task = active.task
         assert task is not None
