@@ -21,6 +21,8 @@ ENGINE_ERROR = "engine_error"
 # The server's state, not a fault: it is stopping, or its engine died (retry elsewhere).
 SHUTTING_DOWN = "shutting_down"
 ENGINE_DEAD = "engine_dead"
+# What a request gets that comes while the model drains (Triton's path and the engine socket).
+SHUTTING_DOWN_MESSAGE = "the model is shutting down; retry on another instance"
 _CLIENT_BASES = {"VLLMClientError"}
 _BARE_CLIENT = (ValueError, TypeError, OverflowError)
 # vLLM's AssertionError when a multimodal item finds no placeholder in the prompt

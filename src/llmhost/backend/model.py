@@ -38,6 +38,7 @@ from llmhost.backend.coalesce import StreamWindow, coalesce
 from llmhost.backend.config import ConfigError, ModelConfig, load_model_config, locate_model_json
 from llmhost.backend.engine import Active, Chunk, EngineRunner, EngineStartError
 from llmhost.backend.errors import RequestError, safe_message
+from llmhost.backend.failures import SHUTTING_DOWN_MESSAGE
 from llmhost.backend.health import UNHEALTHY_MESSAGE, SelfUnload
 from llmhost.backend.images import IMAGE
 from llmhost.backend.lora import find_adapter, with_adapters
@@ -542,7 +543,7 @@ class TritonPythonModel:
                 dead = self.runner.engine_dead_message()
                 self.metrics.inc("vllm:request_failed_total", label="engine_dead" if dead else "shutting_down")
                 error = (pb.TritonError(UNHEALTHY_MESSAGE, pb.TritonError.UNAVAILABLE) if unhealthy
-                         else pb.TritonError(dead or "the model is shutting down; retry on another instance"))
+                         else pb.TritonError(dead or SHUTTING_DOWN_MESSAGE))
                 sender.send(pb.InferenceResponse(output_tensors=[], error=error), flags=final)
                 continue
             cid = ""

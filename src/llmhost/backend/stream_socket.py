@@ -41,7 +41,7 @@ from typing import Any
 from llmhost.backend.config import BackendSettings
 from llmhost.backend.engine import Active, Chunk, EngineRunner
 from llmhost.backend.errors import RequestError, safe_message
-from llmhost.backend.failures import ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, SHUTTING_DOWN
+from llmhost.backend.failures import ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, SHUTTING_DOWN, SHUTTING_DOWN_MESSAGE
 from llmhost.backend.lora import find_adapter
 from llmhost.backend.metrics import RESPONSE_DELAY
 from llmhost.backend.outputs import response_outputs
@@ -223,7 +223,7 @@ class StreamSocketServer:
         runner = self.runner
         if not runner.accepting:
             dead = runner.engine_dead_message()
-            self._refuse(writer, dead or "the model is shutting down; retry on another instance",
+            self._refuse(writer, dead or SHUTTING_DOWN_MESSAGE,
                          ENGINE_DEAD if dead else SHUTTING_DOWN)
             return
         cid = ""
