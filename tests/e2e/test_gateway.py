@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,44 +18,13 @@ import openai
 import pytest
 
 from llmhost.gateway.keys import hash_key
+from tests.harness.gateway import KEY, Gateway, start_gateway, stop_gateway
 from tests.harness.net import free_port
 
-KEY = "test-key-0123456789abcdef"
 CAPPED_KEY = "capped-key-0123456789abcdef"
 LIMITED_KEY = "limited-key-0123456789abcdef"
 MAX_BODY = 64 * 1024
 PROMPT = "def fibonacci(n):"
-
-
-@dataclass
-class Gateway:
-    url: str  # the OpenAI base URL, http://HOST:PORT/v1
-    proc: subprocess.Popen[bytes]
-    log: Path
-    metrics: str  # http://HOST:PORT/metrics
-
-
-def _start(cmd: list[str], log: Path, url: str, verify: bool | ssl.SSLContext = True) -> subprocess.Popen[bytes]:
-    """Start a gateway; return once GET /v1/models answers 200."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, verify=verify).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.3)
-
-
-def _stop(proc: subprocess.Popen[bytes], log: Path) -> None:
-    proc.send_signal(signal.SIGTERM)
-    # uvicorn shuts down gracefully, then ends by the signal it got.
-    assert proc.wait(timeout=60) in (0, -signal.SIGTERM), log.read_text()
-    assert "Traceback" not in log.read_text(), log.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +49,9 @@ def gateway(server, keys_file: Path, tmp_path_factory: pytest.TempPathFactory) -
            "--max-body-bytes", str(MAX_BODY), "--metrics-listen", f"127.0.0.1:{metrics_port}",
            "--health-interval-s", "1"]
     url = f"http://127.0.0.1:{port}/v1"
-    proc = _start(cmd, log, url)
+    proc = start_gateway(cmd, log, url)
     yield Gateway(url, proc, log, f"http://127.0.0.1:{metrics_port}/metrics")
-    _stop(proc, log)
+    stop_gateway(proc, log)
 
 
 @pytest.fixture
@@ -461,7 +428,7 @@ def test_a_second_gateway_from_a_config_file_with_tls_a_dead_upstream_and_a_drai
                       f"tls: {{cert: {cert.name}, key: {key.name}}}\ndrain_timeout_s: 60\n")
     log = tmp_path / "gateway2.log"
     url = f"https://127.0.0.1:{port}/v1"
-    proc = _start([str(Path(sys.executable).parent / "llmhost"), "gateway", "--config", str(config)], log, url,
+    proc = start_gateway([str(Path(sys.executable).parent / "llmhost"), "gateway", "--config", str(config)], log, url,
                   verify=trust)
     try:
         c = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, http_client=httpx.Client(verify=trust))
@@ -525,7 +492,7 @@ def test_a_client_naming_unavailability_cannot_take_the_upstream_out(gateway, se
     if path == "grpc":  # a gateway of its own without engine sockets
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
-        proc = _start([str(Path(sys.executable).parent / "llmhost"), "gateway", "--upstream", server.grpc,
+        proc = start_gateway([str(Path(sys.executable).parent / "llmhost"), "gateway", "--upstream", server.grpc,
                        "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{free_port()}",
                        "--keys-file", str(keys_file), "--model", server.name, "--health-interval-s", "30"],
                       tmp_path / "gateway.log", url)
@@ -540,7 +507,7 @@ def test_a_client_naming_unavailability_cannot_take_the_upstream_out(gateway, se
             assert ok.status_code == 200, ok.text  # the same gateway still has its upstream
     finally:
         if proc is not None:
-            _stop(proc, tmp_path / "gateway.log")
+            stop_gateway(proc, tmp_path / "gateway.log")
 
 
 def test_vllms_structured_outputs_and_stop_token_ids(client, gateway, server):

@@ -91,9 +91,13 @@ def _upstream_up(p: Pair) -> dict[str, float]:
 
 
 def _served(c: Converged) -> float:
-    """Successful inferences of MODEL on C's Triton, from its /metrics."""
+    """Requests of MODEL that C's engine finished at their length, from C's /metrics.
+
+    The engine's own count, not Triton's request count: a gateway on C reaches C's
+    engine through its engine socket, which Triton does not see."""
     text = requests.get(f"{c.triton_metrics}/metrics", timeout=10).text
-    m = re.search(rf'^nv_inference_request_success\{{model="{MODEL}",version="1"\}} (\S+)$', text, re.M)
+    m = re.search(rf'^vllm:request_success_total\{{finished_reason="length",model="{MODEL}",version="1"\}} (\S+)$',
+                  text, re.M)
     assert m, text[:2000]
     return float(m.group(1))
 
@@ -120,6 +124,9 @@ def test_requests_through_one_gateway_are_served_by_both_hosts(pair: Pair):
         answers = list(ex.map(lambda i: _completion(pair, f"request {i}:", max_tokens=32), range(24)))
     assert [r.status_code for r in answers] == [200] * 24, [r.text for r in answers if r.status_code != 200]
     assert all(r.json()["usage"]["completion_tokens"] == 32 for r in answers)
+    # The engine counts a request once its last output is out: wait for the count to catch up.
+    _wait_for("both engines count 24 finished requests",
+              lambda: _served(pair.a) - before["a"] + _served(pair.b) - before["b"] >= 24, timeout_s=30)
     served = {"a": _served(pair.a) - before["a"], "b": _served(pair.b) - before["b"]}
     print(f"\n24 requests through host B's gateway: served by A {served['a']:.0f}, by B {served['b']:.0f}")
     assert served["a"] >= 1 and served["b"] >= 1, served

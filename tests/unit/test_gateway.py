@@ -16,8 +16,8 @@ from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.errors import ApiError, unavailable
 from llmhost.gateway.keys import KeysError, KeyStore, hash_key, parse_keys
 from llmhost.gateway.mapping import BackendRequest, parse_body, to_backend
-from llmhost.gateway.responses import stream_chunks
-from llmhost.gateway.upstream import Piece, build_request, classify, parse_response
+from llmhost.gateway.responses import Accumulator, completion_body, stream_chunks
+from llmhost.gateway.upstream import Piece, build_request, classify, parse_response, socket_request
 
 KEY = "unit-key-0123456789abcdef"
 
@@ -65,7 +65,10 @@ def test_response_format_maps_to_the_backend_json_schema():
 
 @pytest.mark.parametrize(("body", "param", "status"), [
     (_chat(tools=[{"type": "function"}]), "tools", 400),
-    (_chat(logprobs=True), "logprobs", 400),
+    (_chat(logprobs="yes"), "logprobs", 400),
+    (_chat(logprobs=True, top_logprobs=21), "top_logprobs", 400),
+    (_chat(top_logprobs=2), "top_logprobs", 400),
+    (_chat(echo=True), "echo", 400),
     (_chat(bogus=1), "bogus", 400),
     (_chat(temperature=-0.1), "temperature", 400),
     (_chat(top_p=0), "top_p", 400),
@@ -104,6 +107,28 @@ def test_vllms_sampling_and_structured_output_fields_reach_the_backend():
 
 def test_null_or_false_unsupported_fields_are_accepted():
     assert _map(_chat(logprobs=False, tools=None)).sampling == {}
+
+
+def test_log_probabilities_and_echo_reach_the_backend():
+    assert _map(_chat(logprobs=True)).logprobs == 0
+    chat = _map(_chat(logprobs=True, top_logprobs=3))
+    assert chat.logprobs == 3 and chat.sampling == {"logprobs": 3}
+    completion = _map(json.dumps({"model": "m", "prompt": "ab", "logprobs": 2}).encode(), chat=False)
+    assert completion.logprobs == 2 and completion.sampling == {"logprobs": 2} and completion.echo is None
+    assert _map(json.dumps({"model": "m", "prompt": "ab", "echo": True}).encode(), chat=False).echo == "ab"
+    assert _map(_chat()).logprobs is None
+    # The backend is asked for them on both paths only where the request wants them.
+    flags = {t.name for t in build_request(chat, "r").inputs}
+    assert "return_logprobs" in flags and "return_logprobs" not in {t.name for t in build_request(_map(_chat()),
+                                                                                                  "r").inputs}
+    line = json.loads(socket_request(completion, "r"))
+    assert line["inputs"]["return_logprobs"] is True
+
+
+def test_echo_with_logprobs_is_refused_by_name():
+    with pytest.raises(ApiError) as info:
+        _map(json.dumps({"model": "m", "prompt": "ab", "echo": True, "logprobs": 1}).encode(), chat=False)
+    assert info.value.status == 400 and info.value.param == "echo"
 
 
 def test_several_prompts_are_refused_by_name():
@@ -528,3 +553,52 @@ def test_gateway_cli_refuses_bad_options_by_name(tmp_path, capsys, bad):
         main(["gateway", "--keys-file", str(tmp_path / "k"), "--model", "m", *bad])
     assert info.value.code == 2
     assert bad[0] in capsys.readouterr().err
+
+
+# The backend's logprobs output for one completion: per token, the sampled token first.
+_LOGPROBS_AB = json.dumps([{"5": {"logprob": -0.5, "rank": 2, "decoded_token": "a"},
+                            "7": {"logprob": -0.25, "rank": 1, "decoded_token": "b"}},
+                           {"9": {"logprob": float("-inf"), "rank": 1, "decoded_token": "\u00e9"}}])
+
+
+def test_chat_logprobs_are_openais_shape_in_vllms_order():
+    req = _map(_chat(logprobs=True, top_logprobs=1))
+    acc = Accumulator(1)
+    acc.add(Piece(["a\u00e9"], ["length"], 2, [2], True, logprobs=[_LOGPROBS_AB]))
+    content = completion_body(req, acc, "id", 0)["choices"][0]["logprobs"]["content"]
+    assert content == [
+        {"token": "a", "logprob": -0.5, "bytes": [97],
+         "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}]},
+        {"token": "\u00e9", "logprob": -9999.0, "bytes": [195, 169],
+         "top_logprobs": [{"token": "\u00e9", "logprob": -9999.0, "bytes": [195, 169]}]}]
+    assert completion_body(_map(_chat()), acc, "id", 0)["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_have_top_plus_one_and_text_offsets_across_chunks():
+    req = _map(json.dumps({"model": "m", "prompt": "p", "logprobs": 1, "stream": True}).encode(), chat=False)
+    events = _collect(req, [Piece(["a"], [], 1, [1], False, logprobs=[json.dumps(json.loads(_LOGPROBS_AB)[:1])]),
+                            Piece(["\u00e9"], ["length"], 1, [1], True,
+                                  logprobs=[json.dumps(json.loads(_LOGPROBS_AB)[1:])])])
+    first, second = (e["choices"][0]["logprobs"] for e in events[:-1])
+    assert first == {"text_offset": [0], "token_logprobs": [-0.5], "tokens": ["a"],
+                     "top_logprobs": [{"a": -0.5, "b": -0.25}]}
+    assert second == {"text_offset": [1], "token_logprobs": [-9999.0], "tokens": ["\u00e9"],
+                      "top_logprobs": [{"\u00e9": -9999.0}]}
+
+
+def test_a_chat_stream_with_logprobs_sends_tokens_whose_text_is_not_yet_whole():
+    req = _map(_chat(logprobs=True, stream=True))
+    events = _collect(req, [Piece([""], [], 1, [1], False, logprobs=[json.dumps(json.loads(_LOGPROBS_AB)[1:])]),
+                            Piece(["x"], ["stop"], 1, [1], True, logprobs=["[]"])])
+    tokens = [e["choices"][0] for e in events[1:-1]]
+    assert tokens[0]["delta"] == {} and tokens[0]["logprobs"]["content"][0]["token"] == "\u00e9"
+
+
+def test_echo_puts_the_prompt_before_each_completion_streamed_and_not():
+    req = _map(json.dumps({"model": "m", "prompt": "Say:", "echo": True, "n": 2}).encode(), chat=False)
+    acc = Accumulator(2)
+    acc.add(Piece([" a", " b"], ["length", "length"], 2, [1, 1], True))
+    assert [c["text"] for c in completion_body(req, acc, "id", 0)["choices"]] == ["Say: a", "Say: b"]
+    streamed = _map(json.dumps({"model": "m", "prompt": "Say:", "echo": True, "stream": True}).encode(), chat=False)
+    events = _collect(streamed, [Piece([" a"], [], 2, [1], False), Piece([" b"], ["length"], 2, [1], True)])
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Say: a b"

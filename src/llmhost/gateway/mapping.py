@@ -39,6 +39,11 @@ class BackendRequest:
     chat: bool
     user: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # Top log probabilities asked per generated token (0: the sampled token's only);
+    # None: no log probabilities.
+    logprobs: int | None = None
+    # The prompt's text, to come before the completion's (completions' echo).
+    echo: str | None = None
 
 
 # Names pydantic puts into an error's location for the member of a union.
@@ -80,6 +85,9 @@ def parse_body(raw: bytes, chat: bool) -> ChatCompletionRequest | CompletionRequ
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", None, "invalid_json")
     _refuse_unsupported(body)
+    if chat and body.get("echo") not in (None, False):
+        raise unsupported("echo", "is served on /v1/completions")
+    body = {k: v for k, v in body.items() if not (chat and k == "echo")}
     body = {k: v for k, v in body.items() if not (k in UNSUPPORTED_COMMON and v in (None, False))}
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
@@ -114,6 +122,14 @@ def _max_tokens(req: ChatCompletionRequest | CompletionRequest, cap: int | None)
     return asked if asked is not None else cap
 
 
+def _logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
 def _content(content: str | list[Any]) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
@@ -137,6 +153,9 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
     if req.stream_options is not None and not req.stream:
         raise invalid("'stream_options' is only allowed with stream: true", "stream_options")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    logprobs = _logprobs(req)
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
     text_input = messages = None
     if isinstance(req, ChatCompletionRequest):
         messages = []
@@ -152,6 +171,10 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
             text_input = req.prompt[0]
         else:
             text_input = req.prompt
+        if req.echo and logprobs is not None:
+            raise unsupported("echo", "with 'logprobs' would need the prompt's log probabilities, "
+                              "which are not served; ask for one of the two")
     return BackendRequest(model=req.model, text_input=text_input, messages=messages, sampling=sampling,
                           stream=bool(req.stream), n=req.n or 1, include_usage=include_usage, chat=chat,
-                          user=req.user)
+                          user=req.user, logprobs=logprobs,
+                          echo=text_input if isinstance(req, CompletionRequest) and req.echo else None)

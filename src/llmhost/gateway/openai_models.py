@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 # Fields of OpenAI's (or vLLM's) API that exist but are not served here.
-UNSUPPORTED_COMMON = ("logprobs", "top_logprobs", "logit_bias", "suffix", "echo", "best_of", "tools",
+UNSUPPORTED_COMMON = ("logit_bias", "suffix", "best_of", "tools",
                       "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
                       "modalities", "prediction", "store", "metadata", "service_tier", "reasoning_effort",
                       "web_search_options", "prompt_logprobs", "use_beam_search")
@@ -80,12 +80,23 @@ class _Sampling(_Strict):
     guided_grammar: str | None = None
 
 
+# vLLM's default bound on the top log probabilities per token (its max_logprobs).
+MAX_TOP_LOGPROBS = 20
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    # The sampled token's log probability per generated token, and TOP_LOGPROBS more.
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
+    # The top LOGPROBS log probabilities per generated token (besides the sampled token's).
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # The prompt's text before the completion's.
+    echo: StrictBool | None = None
     response_format: ResponseFormat | None = None

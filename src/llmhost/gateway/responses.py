@@ -51,6 +51,50 @@ def usage(num_input: int | None, num_output: list[int]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+# One generated token's log probabilities: (token text, log probability) for the
+# sampled token first, then the top ones, as vLLM orders them.
+Position = list[tuple[str, float]]
+# OpenAI's stand-in for minus infinity, as vLLM's server sends it.
+LOWEST_LOGPROB = -9999.0
+
+
+def positions(raw: str | None) -> list[Position]:
+    """One completion's log probabilities from the backend's ``logprobs`` output (JSON:
+    per token, token id -> {"logprob", "rank", "decoded_token"}, the sampled token first)."""
+    data = json.loads(raw) if raw else None
+    return [[(entry.get("decoded_token") or "", max(float(entry["logprob"]), LOWEST_LOGPROB))
+             for entry in position.values()] for position in data or ()]
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", "replace"))
+
+
+def chat_logprobs(tokens: list[Position], top: int) -> dict[str, Any]:
+    """Chat's ``logprobs`` object: per token its text, log probability, UTF-8 bytes and
+    the first TOP entries of its position (vLLM's server takes them in its order)."""
+    return {"content": [
+        {"token": position[0][0], "logprob": position[0][1], "bytes": _token_bytes(position[0][0]),
+         "top_logprobs": [{"token": t, "logprob": lp, "bytes": _token_bytes(t)} for t, lp in position[:top]]}
+        for position in tokens if position]}
+
+
+def completion_logprobs(tokens: list[Position], top: int, offset: int) -> tuple[dict[str, Any], int]:
+    """Completions' ``logprobs`` object (tokens, token_logprobs, top_logprobs with up to
+    TOP + 1 entries, text_offset from OFFSET) and the offset after its last token."""
+    out: dict[str, Any] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for position in tokens:
+        if not position:
+            continue
+        token, logprob = position[0]
+        out["tokens"].append(token)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append({t: lp for t, lp in position[:top + 1]})
+        out["text_offset"].append(offset)
+        offset += len(token)
+    return out, offset
+
+
 class Accumulator:
     """Whole completions from a non-streamed (or streamed) sequence of pieces."""
 
@@ -59,26 +103,35 @@ class Accumulator:
         self.reasons: list[str | None] = [None] * n
         self.num_input: int | None = None
         self.num_output = [0] * n
+        self.logprobs: list[list[Position]] = [[] for _ in range(n)]
 
     def add(self, piece: Piece) -> None:
         for i, text in enumerate(piece.texts[:len(self.texts)]):
             self.texts[i] += text
             self.reasons[i] = _finish(piece.finish_reasons, i) or self.reasons[i]
+        for i, raw in enumerate(piece.logprobs[:len(self.logprobs)]):
+            self.logprobs[i] += positions(raw)
         if piece.num_input_tokens is not None:
             self.num_input = piece.num_input_tokens
         for i, count in enumerate(piece.num_output_tokens[:len(self.num_output)]):
             self.num_output[i] += count  # the backend counts each response's own tokens
 
 
+def _logprobs(req: BackendRequest, tokens: list[Position], offset: int = 0) -> dict[str, Any] | None:
+    if req.logprobs is None:
+        return None
+    return chat_logprobs(tokens, req.logprobs) if req.chat else completion_logprobs(tokens, req.logprobs, offset)[0]
+
+
 def completion_body(req: BackendRequest, acc: Accumulator, rid: str, created: int) -> dict[str, Any]:
     if req.chat:
         choices: list[dict[str, Any]] = [
-            {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": _logprobs(req, acc.logprobs[i]),
              "finish_reason": acc.reasons[i]} for i, text in enumerate(acc.texts)]
         obj = "chat.completion"
     else:
-        choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": acc.reasons[i]}
-                   for i, text in enumerate(acc.texts)]
+        choices = [{"index": i, "text": (req.echo or "") + text, "logprobs": _logprobs(req, acc.logprobs[i]),
+                    "finish_reason": acc.reasons[i]} for i, text in enumerate(acc.texts)]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": choices,
             "usage": usage(acc.num_input, acc.num_output)}
@@ -93,15 +146,34 @@ def chunk(req: BackendRequest, rid: str, created: int, choices: list[dict[str, A
     return obj
 
 
-def _choice(req: BackendRequest, i: int, text: str | None, reason: str | None, role: bool = False) -> dict[str, Any]:
+def _choice(req: BackendRequest, i: int, text: str | None, reason: str | None, role: bool = False,
+            logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if req.chat:
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
-    return {"index": i, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+
+
+class _StreamLogprobs:
+    """Each streamed chunk's log probabilities: its own tokens' (completions' text
+    offsets go on from the tokens sent before)."""
+
+    def __init__(self, req: BackendRequest) -> None:
+        self.req = req
+        self.offsets = [len(req.echo or "")] * req.n
+
+    def of(self, piece: Piece, i: int) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        tokens = positions(piece.logprobs[i]) if i < len(piece.logprobs) else []
+        if self.req.chat:
+            return chat_logprobs(tokens, self.req.logprobs)
+        out, self.offsets[i] = completion_logprobs(tokens, self.req.logprobs, self.offsets[i])
+        return out
 
 
 async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIterator[Piece],
@@ -111,6 +183,9 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
     An upstream error after the first chunk is sent as a ``data: {"error": ...}`` event."""
     created = int(time.time())
     acc = Accumulator(req.n)
+    logprobs = _StreamLogprobs(req)
+    # Completions' echo: the prompt's text comes with each completion's first chunk.
+    unechoed = [req.echo] * req.n if req.echo else [None] * req.n
     head, tail = _envelope(chunk(req, rid, created, []))
     if req.chat:
         yield sse(chunk(req, rid, created, [_choice(req, i, "", None, role=True) for i in range(req.n)]))
@@ -132,10 +207,14 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
                 # its reason in the backend's later responses.
                 reason = None if finished[i] is not None else _finish(piece.finish_reasons, i)
                 # A completion's new tokens get a chunk even while their text is still
-                # an incomplete character (as vLLM's server does); chat sends content only.
-                grew = not req.chat and acc.num_output[i] > before[i]
+                # an incomplete character (as vLLM's server does); chat sends content
+                # only, or the tokens' log probabilities where they were asked for.
+                grew = (not req.chat or req.logprobs is not None) and acc.num_output[i] > before[i]
+                if unechoed[i] is not None:
+                    text, unechoed[i] = unechoed[i] + text, None
                 if text or reason or grew:
-                    choices.append(_choice(req, i, text if text or not req.chat else None, reason))
+                    choices.append(_choice(req, i, text if text or not req.chat else None, reason,
+                                           logprobs=logprobs.of(piece, i)))
             if choices:
                 yield head + _encode(choices).encode() + tail
     except ApiError as exc:

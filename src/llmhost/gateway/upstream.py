@@ -29,7 +29,7 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +66,19 @@ class Piece:
     num_input_tokens: int | None
     num_output_tokens: list[int]
     final: bool
+    # Per completion, the backend's log probabilities of this piece's tokens as JSON
+    # text (llmhost.backend.outputs); empty when the request asked for none.
+    logprobs: list[str] = field(default_factory=list)
 
 
 # What the gateway asks of the backend besides the prompt: the same on both paths.
 BACKEND_FLAGS = ("exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
                  "return_num_output_tokens")
+
+
+def backend_flags(req: BackendRequest) -> tuple[str, ...]:
+    """BACKEND_FLAGS, and the log probabilities where the request asks for them."""
+    return (*BACKEND_FLAGS, "return_logprobs") if req.logprobs is not None else BACKEND_FLAGS
 
 
 def socket_request(req: BackendRequest, request_id: str) -> bytes:
@@ -79,7 +87,7 @@ def socket_request(req: BackendRequest, request_id: str) -> bytes:
         "messages": json.dumps(req.messages)}
     inputs["sampling_parameters"] = json.dumps(req.sampling)
     inputs["stream"] = req.stream
-    inputs.update(dict.fromkeys(BACKEND_FLAGS, True))
+    inputs.update(dict.fromkeys(backend_flags(req), True))
     line = {"inputs": inputs, "parameters": {"sparse_outputs": True}, "id": request_id}
     return json.dumps(line, separators=(",", ":")).encode("utf-8", "surrogatepass") + b"\n"
 
@@ -89,7 +97,8 @@ def socket_piece(outputs: dict[str, list[Any]], final: bool) -> Piece:
     inputs = outputs.get("num_input_tokens")
     return Piece(texts=outputs.get("text_output", []), finish_reasons=outputs.get("finish_reason", []),
                  num_input_tokens=inputs[0] if inputs else None,
-                 num_output_tokens=outputs.get("num_output_tokens", []), final=final)
+                 num_output_tokens=outputs.get("num_output_tokens", []), final=final,
+                 logprobs=outputs.get("logprobs", []))
 
 
 def _bytes_tensor(values: list[bytes]) -> bytes:
@@ -109,7 +118,7 @@ def build_request(req: BackendRequest, request_id: str) -> Any:
          _bytes_tensor([text.encode("utf-8", "surrogatepass")])),
         ("sampling_parameters", "BYTES", _bytes_tensor([json.dumps(req.sampling).encode()])),
     ]
-    for name, flag in (("stream", req.stream), *((f, True) for f in BACKEND_FLAGS)):
+    for name, flag in (("stream", req.stream), *((f, True) for f in backend_flags(req))):
         tensors.append((name, "BOOL", b"\x01" if flag else b"\x00"))
     for name, dtype, raw in tensors:
         t = msg.inputs.add()
@@ -160,7 +169,8 @@ def parse_response(resp: Any) -> Piece:
     inputs = values.get("num_input_tokens")
     return Piece(texts=values.get("text_output", []), finish_reasons=values.get("finish_reason", []),
                  num_input_tokens=inputs[0] if inputs else None,
-                 num_output_tokens=values.get("num_output_tokens", []), final=is_final(resp))
+                 num_output_tokens=values.get("num_output_tokens", []), final=is_final(resp),
+                 logprobs=values.get("logprobs", []))
 
 
 class UpstreamDown(ApiError):

@@ -1,0 +1,119 @@
+"""The gateway against vLLM's own OpenAI server (`vllm serve`) on the same tiny model
+and engine arguments: at temperature 0, the same tokens, log probabilities (within
+1e-3) and shapes, streamed and not, through the official `openai` client."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from llmhost.gateway.keys import hash_key
+from tests.harness.gateway import KEY, Gateway, start_gateway, stop_gateway
+from tests.harness.net import free_port
+from tests.harness.vllm_server import vllm_server
+
+PROMPT = "def fibonacci(n):"
+TOLERANCE = 1e-3
+# The e2e server's engine arguments (tests/harness/server.py), for vLLM's server too.
+ENGINE_ARGS = ["--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16",
+               "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
+
+
+@pytest.fixture(scope="module")
+def theirs(tiny_model: Path, server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    with vllm_server(tiny_model, tmp_path_factory.mktemp("vllm-serve"), server.name, ENGINE_ARGS) as vllm:
+        yield openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ours(server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    work = tmp_path_factory.mktemp("parity-gateway")
+    keys = work / "keys.yml"
+    keys.write_text(f"keys:\n  - name: tester\n    sha256: {hash_key(KEY)}\n")
+    port = free_port()
+    log = work / "gateway.log"
+    url = f"http://127.0.0.1:{port}/v1"
+    cmd = [str(Path(sys.executable).parent / "llmhost"), "gateway", "--upstream", server.grpc,
+           "--engine-sockets", f"{server.grpc}={server.engine_sockets}", "--listen", f"127.0.0.1:{port}",
+           "--keys-file", str(keys), "--model", server.name, "--metrics-listen", f"127.0.0.1:{free_port()}"]
+    gateway = Gateway(url, start_gateway(cmd, log, url), log, "")
+    yield openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+    stop_gateway(gateway.proc, log)
+
+
+def _close(a: list[float | None], b: list[float | None]) -> bool:
+    return len(a) == len(b) and all(x == y or (x is not None and y is not None and abs(x - y) <= TOLERANCE)
+                                    for x, y in zip(a, b, strict=True))
+
+
+def _same_completion_logprobs(a: Any, b: Any) -> None:
+    assert a.tokens == b.tokens
+    assert a.text_offset == b.text_offset
+    assert _close(a.token_logprobs, b.token_logprobs), (a.token_logprobs, b.token_logprobs)
+    for mine, vllms in zip(a.top_logprobs, b.top_logprobs, strict=True):
+        assert mine.keys() == vllms.keys()
+        assert _close([mine[k] for k in mine], [vllms[k] for k in mine]), (mine, vllms)
+
+
+def _same_chat_logprobs(a: list[Any], b: list[Any]) -> None:
+    assert [t.token for t in a] == [t.token for t in b]
+    assert [t.bytes for t in a] == [t.bytes for t in b]
+    assert _close([t.logprob for t in a], [t.logprob for t in b])
+    for mine, vllms in zip(a, b, strict=True):
+        assert [t.token for t in mine.top_logprobs] == [t.token for t in vllms.top_logprobs]
+        assert _close([t.logprob for t in mine.top_logprobs], [t.logprob for t in vllms.top_logprobs])
+
+
+def _streamed_completion_logprobs(client: openai.OpenAI, **kw: Any) -> tuple[str, dict[str, list[Any]]]:
+    text, merged = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.logprobs is not None:
+                for name in merged:
+                    merged[name] += getattr(choice.logprobs, name) or []
+    return text, merged
+
+
+def test_completion_logprobs_match_vllm_serve_streamed_and_not(ours, theirs, server):
+    kw: dict[str, Any] = {"model": server.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 3}
+    mine, vllms = ours.completions.create(**kw), theirs.completions.create(**kw)
+    assert mine.choices[0].text == vllms.choices[0].text
+    assert len(mine.choices[0].logprobs.tokens) == 8
+    _same_completion_logprobs(mine.choices[0].logprobs, vllms.choices[0].logprobs)
+    assert all(len(top) <= 4 for top in mine.choices[0].logprobs.top_logprobs)
+    # Streamed: the chunks' log probabilities add up to the same, offsets running on.
+    (text, streamed), (vllm_text, vllm_streamed) = (_streamed_completion_logprobs(c, **kw) for c in (ours, theirs))
+    assert text == vllm_text == mine.choices[0].text
+    assert streamed["tokens"] == vllm_streamed["tokens"] == mine.choices[0].logprobs.tokens
+    assert streamed["text_offset"] == vllm_streamed["text_offset"] == mine.choices[0].logprobs.text_offset
+    assert _close(streamed["token_logprobs"], vllm_streamed["token_logprobs"])
+
+
+def test_chat_logprobs_match_vllm_serve_streamed_and_not(ours, theirs, server):
+    kw: dict[str, Any] = {"model": server.name, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
+                          "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    mine, vllms = ours.chat.completions.create(**kw), theirs.chat.completions.create(**kw)
+    assert mine.choices[0].message.content == vllms.choices[0].message.content
+    assert len(mine.choices[0].logprobs.content) == 8
+    _same_chat_logprobs(mine.choices[0].logprobs.content, vllms.choices[0].logprobs.content)
+    streamed = [t for chunk in ours.chat.completions.create(stream=True, **kw) for c in chunk.choices
+                if c.logprobs is not None for t in c.logprobs.content or []]
+    _same_chat_logprobs(streamed, vllms.choices[0].logprobs.content)
+    # Without top_logprobs: the sampled tokens' log probabilities alone.
+    kw.pop("top_logprobs")
+    mine = ours.chat.completions.create(**kw)
+    assert [t.top_logprobs for t in mine.choices[0].logprobs.content] == [[]] * 8
+
+
+def test_echo_matches_vllm_serve_streamed_and_not(ours, theirs, server):
+    kw: dict[str, Any] = {"model": server.name, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "echo": True}
+    mine, vllms = ours.completions.create(**kw), theirs.completions.create(**kw)
+    assert mine.choices[0].text == vllms.choices[0].text and mine.choices[0].text.startswith(PROMPT)
+    streamed = "".join(c.text for chunk in ours.completions.create(stream=True, **kw) for c in chunk.choices)
+    assert streamed == mine.choices[0].text
