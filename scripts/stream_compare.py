@@ -109,13 +109,57 @@ def ratios(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_parser(doc: str, rounds: int, concurrency: str) -> argparse.ArgumentParser:
+    """The arguments every comparison takes: OUT, rounds, levels, prompt and output lengths."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--concurrency", default="1,16,64,256")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--concurrency", default=concurrency)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
+    return ap
+
+
+def measure_level(url: str, model: str, tokenizer: Path, concurrency: int, rnd: int | None, input_len: int,
+                  output_len: int, api_key: str | None) -> tuple[dict[str, Any], float, float]:
+    """One level by vLLM's client (round RND; None: a warm-up of CONCURRENCY requests): its
+    numbers with the client's CPU cores, and when it started and ended."""
+    argv = client_argv(url, model, str(tokenizer), concurrency,
+                       requests_for(concurrency) if rnd is not None else concurrency, input_len, output_len,
+                       seed=rnd or 0)
+    cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
+    result = run_level(argv, api_key)
+    cpu1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.time()
+    level = summarize(concurrency, result).__dict__
+    level.update(round=rnd, started=t0,
+                 client_cpu_cores=round((cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
+                                        / max(t1 - t0, 1e-9), 2))
+    return level, t0, t1
+
+
+def level_line(rnd: int, side: str, level: dict[str, Any], extra: str) -> str:
+    return (f"round {rnd + 1} {side:8} c={level['concurrency']:<4} {level['output_tokens_per_s']:9.1f} tok/s  "
+            f"TTFT p50 {level['ttft_ms']['median']:8.1f} ms  ITL p50 {level['itl_ms']['median']:6.2f} ms  "
+            f"{level['tokens_per_event']:.2f} tok/event  failed {level['failed']}  client "
+            f"{level['client_cpu_cores']} cores  {extra}")
+
+
+def alternate(res: dict[str, Any], rounds: int, levels: list[int], measure: Any, out: Path,
+              save: Any, note: Any) -> None:
+    """ROUNDS rounds, the sides in turn (their order turning each round), every level of
+    one side before the other's: each level's numbers into RES and the log."""
+    for rnd in range(rounds):
+        for side in order(rnd, list(SIDES)):
+            res["order"].append(f"round {rnd + 1}: {side}")
+            for c in levels:
+                level = measure(side, c, rnd)
+                res["runs"][side].append(level)
+                log(level_line(rnd, side, level, note(level)), out)
+                save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = workload_parser(__doc__ or "", 3, "1,16,64,256")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--work", type=Path, default=Path("/tmp/stream-compare-work"))
     args = ap.parse_args(argv)
@@ -159,19 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         (out / "result.json").write_text(json.dumps(res, indent=1) + "\n")
 
     def measure(side: str, concurrency: int, rnd: int | None) -> dict[str, Any]:
-        server = servers[side]
-        argv = client_argv(server.url, NAME, str(model), concurrency,
-                           requests_for(concurrency) if rnd is not None else concurrency,
-                           args.input_len, args.output_len, seed=rnd or 0)
-        cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
-        result = run_level(argv, GATEWAY_KEY if side == "gateway" else None)
-        cpu1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.time()
-        level = summarize(concurrency, result).__dict__
-        gpu = gpu_of["triton" if side == "gateway" else "vllm"]
-        level.update(round=rnd, side=side, started=t0,
-                     client_cpu_cores=round((cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
-                                            / max(t1 - t0, 1e-9), 2),
-                     gpu_util_pct=gpu_use.mean(gpu, t0, t1))
+        level, t0, t1 = measure_level(servers[side].url, NAME, model, concurrency, rnd, args.input_len,
+                                      args.output_len, GATEWAY_KEY if side == "gateway" else None)
+        level.update(side=side, gpu_util_pct=gpu_use.mean(gpu_of["triton" if side == "gateway" else "vllm"], t0, t1))
         return level
 
     try:
@@ -180,17 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         for side in SIDES:
             measure(side, 64, None)  # warm-up, not recorded
         log("servers up and warm", out)
-        for rnd in range(args.rounds):
-            for side in order(rnd, list(SIDES)):
-                res["order"].append(f"round {rnd + 1}: {side}")
-                for c in levels:
-                    level = measure(side, c, rnd)
-                    res["runs"][side].append(level)
-                    log(f"round {rnd + 1} {side:8} c={c:<4} {level['output_tokens_per_s']:9.1f} tok/s  TTFT p50 "
-                        f"{level['ttft_ms']['median']:8.1f} ms  ITL p50 {level['itl_ms']['median']:6.2f} ms  "
-                        f"{level['tokens_per_event']:.2f} tok/event  failed {level['failed']}  client "
-                        f"{level['client_cpu_cores']} cores  GPU {level['gpu_util_pct']}%", out)
-                    save()
+        alternate(res, args.rounds, levels, measure, out, save, lambda level: f"GPU {level['gpu_util_pct']}%")
         import urllib.request
 
         req = urllib.request.Request(f"http://127.0.0.1:{gateway.port + 1}/metrics")

@@ -117,14 +117,16 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
                              "llmhost_models": [{"name": "tiny", "source": "tiny"}, {"name": "qwen", "source": "tiny"}],
                              "gateway_upstreams": ["10.0.0.1:8001", "[fd00::2]:8001"],
                              "gateway_listen_address": "::", "gateway_drain_timeout_s": 40,
+                             "gateway_max_connections": 900, "gateway_header_timeout_s": 4,
                              "gateway_tls_cert_file": "/etc/ssl/gw.crt", "gateway_tls_key_file": "/etc/ssl/gw.key"})
     assert run.rc == 0, run.output
     unit = (tmp_path / "unit").read_text()
     for want in ("User=llmhost-gateway", "--listen [::]:18080", "--upstream 10.0.0.1:8001",
                  "--upstream [fd00::2]:8001", "--model tiny", "--model qwen", "--keys-file %d/keys.json",
                  "LoadCredential=tls.key:/etc/ssl/gw.key", "--tls-cert %d/tls.crt --tls-key %d/tls.key",
-                 "--drain-timeout-s 40", "TimeoutStopSec=55", "CPUWeight=1000", "KillSignal=SIGTERM",
-                 "Restart=on-failure",
+                 "--drain-timeout-s 40", "TimeoutStopSec=55", "--max-connections 900",
+                 "--header-timeout-s 4", "--body-timeout-s 30", "--idle-timeout-s 5", "CPUWeight=1000",
+                 "KillSignal=SIGTERM", "Restart=on-failure",
                  "NoNewPrivileges=true", "ProtectSystem=strict", "MemoryDenyWriteExecute=true",
                  "ProcSubset=pid", "ProtectProc=invisible", "SystemCallFilter=@system-service", "UMask=0077",
                  "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "\nCapabilityBoundingSet=\n"):

@@ -4,7 +4,6 @@ and engine arguments: at temperature 0, the same tokens, log probabilities (with
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,9 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from llmhost.gateway.keys import hash_key
-from tests.harness.gateway import KEY, Gateway, start_gateway, stop_gateway
-from tests.harness.net import free_port
+from tests.harness.gateway import KEY, keyed_gateway, stop_gateway
 from tests.harness.vllm_server import vllm_server
 
 PROMPT = "def fibonacci(n):"
@@ -32,18 +29,10 @@ def theirs(tiny_model: Path, server, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="module")
 def ours(server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    work = tmp_path_factory.mktemp("parity-gateway")
-    keys = work / "keys.yml"
-    keys.write_text(f"keys:\n  - name: tester\n    sha256: {hash_key(KEY)}\n")
-    port = free_port()
-    log = work / "gateway.log"
-    url = f"http://127.0.0.1:{port}/v1"
-    cmd = [str(Path(sys.executable).parent / "llmhost"), "gateway", "--upstream", server.grpc,
-           "--engine-sockets", f"{server.grpc}={server.engine_sockets}", "--listen", f"127.0.0.1:{port}",
-           "--keys-file", str(keys), "--model", server.name, "--metrics-listen", f"127.0.0.1:{free_port()}"]
-    gateway = Gateway(url, start_gateway(cmd, log, url), log, "")
-    yield openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
-    stop_gateway(gateway.proc, log)
+    gateway = keyed_gateway(server, tmp_path_factory.mktemp("parity-gateway"),
+                            "--engine-sockets", f"{server.grpc}={server.engine_sockets}")
+    yield openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=120)
+    stop_gateway(gateway.proc, gateway.log)
 
 
 def _close(a: list[float | None], b: list[float | None]) -> bool:

@@ -6,9 +6,11 @@ import os
 import signal
 import ssl
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -45,3 +47,24 @@ def stop_gateway(proc: subprocess.Popen[bytes], log: Path) -> None:
     # uvicorn shuts down gracefully, then ends by the signal it got.
     assert proc.wait(timeout=60) in (0, -signal.SIGTERM), log.read_text()
     assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def keyed_gateway(server: Any, work: Path, *flags: str) -> Gateway:
+    """`llmhost gateway` in front of SERVER (tests/harness/server.py) on free ports, with
+    a keys file in WORK that lets KEY in, and FLAGS; started and answering."""
+    from llmhost.gateway.keys import hash_key
+    from tests.harness.net import free_port
+
+    keys = work / "keys.yml"
+    keys.write_text(f"keys:\n  - name: tester\n    sha256: {hash_key(KEY)}\n")
+    port, metrics_port = free_port(), free_port()
+    log = work / "gateway.log"
+    url = f"http://127.0.0.1:{port}/v1"
+    cmd = [str(Path(sys.executable).parent / "llmhost"), "gateway", "--upstream", server.grpc,
+           "--listen", f"127.0.0.1:{port}", "--keys-file", str(keys), "--model", server.name,
+           "--metrics-listen", f"127.0.0.1:{metrics_port}", *flags]
+    return Gateway(url, start_gateway(cmd, log, url), log, f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+def port_of(gateway: Gateway) -> int:
+    return int(gateway.url.rsplit(":", 1)[1].split("/", 1)[0])

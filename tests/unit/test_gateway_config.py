@@ -32,6 +32,8 @@ def test_the_documented_example_is_a_valid_config():
     assert (got["health_interval_s"], got["health_timeout_s"], got["drain_timeout_s"]) == (2.0, 2.0, 30.0)
     assert got["tls_cert"] == Path("/etc/llmhost/gateway.crt") and got["tls_key"] == Path("/etc/llmhost/gateway.key")
     assert got["event_loop"] == "asyncio"
+    assert (got["max_connections"], got["header_timeout_s"], got["body_timeout_s"], got["idle_timeout_s"]) == (
+        4096, 10.0, 30.0, 5.0)
     GatewayConfig(**got)
 
 
@@ -50,6 +52,9 @@ def test_relative_paths_are_relative_to_the_config_file(tmp_path):
     ("limits: {queue_timeout_s: 0}\n", "limits.queue_timeout_s must be a positive number"),
     ("health: {interval_s: fast}\n", "health.interval_s must be a positive number"),
     ("health: 2\n", "health must be a mapping"),
+    ("connections: {max: 0}\n", "connections.max must be a positive integer"),
+    ("connections: {header_timeout_s: -1}\n", "connections.header_timeout_s must be a positive number"),
+    ("connections: {idle: 3}\n", "unknown key 'connections.idle'"),
     ("upstreams: [\"10.0.0.5:8001\", nohost]\n", "upstreams[1] must be HOST:PORT"),
     ("upstreams: []\n", "upstreams must be a non-empty list"),
     ("models: tiny\n", "models must be a non-empty list"),
@@ -151,7 +156,9 @@ def test_a_good_certificate_and_key_pass_and_reach_uvicorn(tmp_path):
                                  ["--health-interval-s", "soon"], ["--health-timeout-s", "-1"],
                                  ["--drain-timeout-s", "nan"], ["--metrics-listen", "18081"],
                                  ["--event-loop", "trio"], ["--engine-sockets", "127.0.0.1:8001"],
-                                 ["--engine-sockets", "nowhere=/run/x"], ["--health-unhealthy-threshold", "0"]])
+                                 ["--engine-sockets", "nowhere=/run/x"], ["--health-unhealthy-threshold", "0"],
+                                 ["--max-connections", "0"], ["--header-timeout-s", "0"], ["--body-timeout-s", "x"],
+                                 ["--idle-timeout-s", "-2"]])
 def test_bad_flags_are_refused_by_name(capsys, bad):
     from llmhost.cli import main
 
@@ -201,3 +208,12 @@ def test_uvloop_asked_for_but_not_installed_is_a_clear_error(monkeypatch, tmp_pa
     keys.write_text("keys: []\n")
     code, err = _main(["--keys-file", str(keys), "--model", "m", "--event-loop", "uvloop"], capsys)
     assert code == 2 and "--event-loop uvloop" in err and "Traceback" not in err
+
+
+def test_connection_bounds_reach_uvicorns_protocol():
+    config = settings(_args("--keys-file", "/k", "--model", "m", "--max-connections", "7", "--header-timeout-s", "3",
+                            "--idle-timeout-s", "2", "--body-timeout-s", "9"))
+    api, side = uvicorn_configs(object(), object(), config)
+    assert api.timeout_keep_alive == 2.0 and config.body_timeout_s == 9.0
+    assert api.http.max_connections == 7 and api.http.header_timeout_s == 3.0
+    assert side.http.max_connections == 7 and side.timeout_keep_alive == 2.0  # the metrics listener too

@@ -146,7 +146,7 @@ class Gateway:
         rec = record_of(request.scope)
         try:
             key = self.auth(request)
-            raw = await read_body(request, self.config.max_body_bytes)
+            raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
             req = to_backend(parse_body(raw, chat), key.max_tokens)
             rec.model = req.model
             if req.model not in self.config.models or not key.may_use(req.model):

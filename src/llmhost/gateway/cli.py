@@ -26,6 +26,7 @@ from llmhost.gateway.config import (
     load_config,
     parse_host_port,
 )
+from llmhost.gateway.connections import guarded_protocol, raise_open_files_limit
 from llmhost.gateway.keys import MIN_KEY_CHARS, KeysError, KeyStore, hash_key, load_keys
 
 
@@ -106,6 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"requests that may wait for room; more get 503 (default {d.max_queue})")
     p.add_argument("--queue-timeout-s", type=_seconds, metavar="S",
                    help=f"longest wait for room, then 503 (default {d.queue_timeout_s:g})")
+    p.add_argument("--max-connections", type=_positive, metavar="N",
+                   help=f"client connections at once; more are closed at once (default {d.max_connections})")
+    p.add_argument("--header-timeout-s", type=_seconds, metavar="S",
+                   help="a request's head must arrive whole within this long of the connection's start or "
+                        f"of the previous response's end, else the connection is closed (default "
+                        f"{d.header_timeout_s:g})")
+    p.add_argument("--body-timeout-s", type=_seconds, metavar="S",
+                   help=f"then its body, else 408 (default {d.body_timeout_s:g})")
+    p.add_argument("--idle-timeout-s", type=_seconds, metavar="S",
+                   help=f"a kept-alive connection without a new request is closed after this long (default "
+                        f"{d.idle_timeout_s:g})")
     p.add_argument("--tls-cert", type=Path, metavar="PATH", help="HTTPS certificate (PEM; with --tls-key)")
     p.add_argument("--tls-key", type=Path, metavar="PATH", help="HTTPS private key (PEM; with --tls-cert)")
     p.add_argument("--drain-timeout-s", type=_seconds, metavar="S",
@@ -231,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
 
     metrics = GatewayMetrics(config.models)
     app = create_app(config, KeyStore(keys), metrics=metrics, access_log=AccessLog())
+    # Every connection is a file; the rest (upstream channels, sockets, logs) gets room too.
+    open_files = raise_open_files_limit(config.max_connections + OTHER_OPEN_FILES)
+    if open_files < config.max_connections + OTHER_OPEN_FILES:
+        print(f"llmhost gateway: warning: open files are limited to {open_files}, fewer than "
+              f"--max-connections {config.max_connections} needs; raise the limit (LimitNOFILE)",
+              file=sys.stderr, flush=True)
     scheme = "https" if config.tls_cert is not None else "http"
     print(f"llmhost gateway: OpenAI API on {scheme}://{join_host_port(config.listen)}/v1 for "
           f"{', '.join(config.models)} via {', '.join(config.upstreams)}; {len(keys)} key(s); metrics on "
@@ -240,12 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# Open files besides client connections: upstream channels and sockets, logs, libraries.
+OTHER_OPEN_FILES = 1024
+
+
 def uvicorn_configs(app: Any, metrics_app: Any, config: GatewayConfig) -> tuple[Any, Any]:
     """The API server's and the metrics server's uvicorn.Config."""
     import uvicorn
 
+    # Both listeners bound their connections and close idle and slow ones.
     common: dict[str, Any] = {"log_level": config.log_level, "access_log": False, "server_header": False,
-                              "lifespan": "off"}
+                              "lifespan": "off", "http": guarded_protocol(config),
+                              "timeout_keep_alive": config.idle_timeout_s}
     tls: dict[str, Any] = {}
     if config.tls_cert is not None:
         tls = {"ssl_certfile": str(config.tls_cert), "ssl_keyfile": str(config.tls_key)}

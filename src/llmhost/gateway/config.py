@@ -23,6 +23,11 @@ unknown key is refused by name. Relative paths are relative to the file's folder
       max_concurrent_upstream: 1024    # --max-concurrent-upstream; requests in flight per upstream
       max_queue: 512                   # --max-queue; requests waiting for room (0: none wait)
       queue_timeout_s: 30              # --queue-timeout-s; then 503 with Retry-After
+    connections:
+      max: 4096                        # --max-connections; more are closed at once
+      header_timeout_s: 10             # --header-timeout-s; a request head must arrive whole in this long
+      body_timeout_s: 30               # --body-timeout-s; then the request body (else 408)
+      idle_timeout_s: 5                # --idle-timeout-s; a kept-alive connection without a request
     tls:                               # both or neither
       cert: /etc/llmhost/gateway.crt   # --tls-cert
       key: /etc/llmhost/gateway.key    # --tls-key
@@ -86,6 +91,12 @@ class GatewayConfig:
     tls_key: Path | None = None
     # Upstream HOST:PORT -> the folder of its engine sockets (llmhost.backend.stream_socket).
     engine_sockets: dict[str, Path] = field(default_factory=dict)
+    # Client connections (llmhost.gateway.connections): how many at once, and how long a
+    # request's head, its body and an idle kept-alive connection may take.
+    max_connections: int = 4096
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 5.0
 
 
 # File key -> (GatewayConfig field, kind); sections hold nested keys.
@@ -103,6 +114,8 @@ _SECTIONS: dict[str, dict[str, tuple[str, str]]] = {
                "unhealthy_threshold": ("health_unhealthy_threshold", "positive_int")},
     "limits": {"max_concurrent_upstream": ("max_concurrent_upstream", "positive_int"),
                "max_queue": ("max_queue", "non_negative_int"), "queue_timeout_s": ("queue_timeout_s", "positive")},
+    "connections": {"max": ("max_connections", "positive_int"), "header_timeout_s": ("header_timeout_s", "positive"),
+                    "body_timeout_s": ("body_timeout_s", "positive"), "idle_timeout_s": ("idle_timeout_s", "positive")},
     "tls": {"cert": ("tls_cert", "path"), "key": ("tls_key", "path")},
 }
 

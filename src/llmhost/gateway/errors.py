@@ -62,6 +62,11 @@ def too_large(limit: int) -> ApiError:
                     "request_too_large")
 
 
+def body_too_slow(timeout_s: float) -> ApiError:
+    return ApiError(408, f"the request body did not arrive whole within {timeout_s:g} s", INVALID_REQUEST, None,
+                    "request_timeout")
+
+
 def retry_after(seconds: float) -> dict[str, str]:
     """The Retry-After header: whole seconds, rounded up, at least 1."""
     return {"Retry-After": str(max(1, math.ceil(seconds)))}

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from llmhost.gateway.errors import ApiError, invalid, too_large
+from llmhost.gateway.errors import ApiError, body_too_slow, invalid, too_large
 
 T = TypeVar("T")
 
@@ -74,7 +74,8 @@ class EventStream(Response):
                 await aclose()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The request's body: 413 past LIMIT bytes, 408 when it takes longer than TIMEOUT_S."""
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
@@ -82,11 +83,15 @@ async def read_body(request: Request, limit: int) -> bytes:
         if int(length) > limit:
             raise too_large(limit)
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise too_large(limit)
-        parts.append(part)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise too_large(limit)
+                parts.append(part)
+    except TimeoutError:
+        raise body_too_slow(timeout_s or 0) from None
     return b"".join(parts)
 
 

@@ -301,7 +301,7 @@ class NativeApi:
         try:
             key = self.gw.auth(request)
             model = self._served(request, key)
-            raw = await read_body(request, self.gw.config.max_body_bytes)
+            raw = await read_body(request, self.gw.config.max_body_bytes, self.gw.config.body_timeout_s)
             try:
                 body = json.loads(raw)
             except (ValueError, RecursionError):
