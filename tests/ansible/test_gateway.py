@@ -40,6 +40,13 @@ def test_a_valid_key_passes_preflight() -> None:
     assert KEY not in run.output
 
 
+def test_plain_http_on_the_network_passes_only_when_asked_for() -> None:
+    run = preflight(keys({"name": "alice", "key": KEY}), {"gateway_listen_address": "0.0.0.0",
+                                                          "gateway_allow_plaintext": True})
+    assert run.rc == 0, run.output
+    assert "serves HTTPS, or plain HTTP is asked for" in run.output
+
+
 CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("missing name", keys({"key": KEY}), ("gateway_api_keys[0]", "name missing or invalid")),
     ("duplicate name", keys({"name": "a", "key": KEY}, {"name": "a", "sha256": SHA}),
@@ -60,6 +67,10 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("CPU affinity not CPUs", {**keys({"name": "a", "key": KEY}), "gateway_cpu_affinity": "cores 1"},
      ("gateway_cpu_affinity", "CPU numbers or ranges")),
     ("port clash", {**keys({"name": "a", "key": KEY}), "gateway_port": 18081}, ("gateway_port",)),
+    ("plain HTTP on the network", {**keys({"name": "a", "key": KEY}), "gateway_listen_address": "0.0.0.0"},
+     ("plain HTTP on 0.0.0.0", "gateway_tls_cert_file", "gateway_allow_plaintext: true")),
+    ("plaintext not a boolean", {**keys({"name": "a", "key": KEY}), "gateway_allow_plaintext": "maybe"},
+     ("gateway_allow_plaintext", "maybe")),
     ("models not a list", keys({"name": "a", "key": KEY, "models": "tiny"}), ("gateway_api_keys[0] (a)", "models")),
     ("unknown model", {**keys({"name": "a", "key": KEY}), "gateway_models": ["llama"]}, ("gateway_models", "llama")),
     ("bad upstream", {**keys({"name": "a", "key": KEY}), "gateway_upstreams": ["localhost"]}, ("gateway_upstreams",)),
@@ -132,10 +143,13 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
                  "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "\nCapabilityBoundingSet=\n"):
         assert want in unit, want
     assert "CPUAffinity" not in unit  # any CPU unless asked
+    assert "--allow-plaintext" not in unit
     run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}), "gateway_port": 443,
+                             "gateway_allow_plaintext": True,
                              "gateway_cpu_affinity": "6-7,14", "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
     assert run.rc == 0, run.output
     unit = (tmp_path / "unit").read_text()
+    assert "  --allow-plaintext \\\n" in unit
     assert "\nCapabilityBoundingSet=CAP_NET_BIND_SERVICE\n" in unit
     assert "\nCPUAffinity=6-7,14\n" in unit
 
@@ -172,7 +186,9 @@ def _gateway_only_preflight(tmp_path: Path, gpu1: dict[str, Any]) -> PlaybookRun
                                          {"name": "old", "source": "tiny", "state": "absent"}]}}}}}}
     path = tmp_path / "inventory.json"
     path.write_text(json.dumps(inventory))
-    return ansible_playbook("-i", str(path), "--limit", "gw", "-e", json.dumps(keys({"name": "a", "key": KEY})),
+    # On the network without a certificate: asked for, so that the checks below are what is shown.
+    extra = {**keys({"name": "a", "key": KEY}), "gateway_allow_plaintext": True}
+    return ansible_playbook("-i", str(path), "--limit", "gw", "-e", json.dumps(extra),
                             "--tags", "preflight", "--check", "playbooks/serving.yml")
 
 

@@ -63,6 +63,7 @@ def test_relative_paths_are_relative_to_the_config_file(tmp_path):
     ("log_level: loud\n", "log_level must be one of"),
     ("event_loop: trio\n", "event_loop must be one of asyncio, uvloop"),
     ("keys_file: 3\n", "keys_file must be a path"),
+    ("allow_plaintext: yes please\n", "allow_plaintext must be true or false"),
     ("- a\n", "must be a mapping"),
     ("a: [\n", "not valid YAML"),
 ])
@@ -79,7 +80,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_flags_override_the_config_file(tmp_path):
     path = tmp_path / "gateway.yml"
     path.write_text("upstreams: ['a:1', 'b:2']\nmodels: [x]\nkeys_file: /k\nlimits: {max_queue: 3}\n"
-                    "health: {interval_s: 7}\nlisten: '0.0.0.0:1'\n")
+                    "health: {interval_s: 7}\nlisten: '0.0.0.0:1'\nallow_plaintext: true\n")
     config = settings(_args("--config", str(path), "--max-queue", "5", "--upstream", "c:3", "--upstream", "[::1]:4"))
     assert config.upstreams == ["c:3", "[::1]:4"] and config.max_queue == 5
     assert config.models == ["x"] and config.keys_file == Path("/k") and config.health_interval_s == 7.0
@@ -217,3 +218,16 @@ def test_connection_bounds_reach_uvicorns_protocol():
     assert api.timeout_keep_alive == 2.0 and config.body_timeout_s == 9.0
     assert api.http.max_connections == 7 and api.http.header_timeout_s == 3.0
     assert side.http.max_connections == 7 and side.timeout_keep_alive == 2.0  # the metrics listener too
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:18080", "[::]:18080", "10.0.0.5:18080", "gateway.example:443"])
+def test_plain_http_off_loopback_is_refused_unless_asked_for(listen, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        settings(_args("--keys-file", "/k", "--model", "m", "--listen", listen))
+    assert "--allow-plaintext" in str(info.value) and "--tls-cert" in str(info.value)
+    assert settings(_args("--keys-file", "/k", "--model", "m", "--listen", listen, "--allow-plaintext")).allow_plaintext
+    cert, key = self_signed(tmp_path)
+    assert settings(_args("--keys-file", "/k", "--model", "m", "--listen", listen, "--tls-cert", str(cert),
+                          "--tls-key", str(key))).tls_cert == cert
+    for loopback in ("127.0.0.1:1", "[::1]:1", "localhost:1", "127.3.4.5:1"):
+        assert not settings(_args("--keys-file", "/k", "--model", "m", "--listen", loopback)).allow_plaintext

@@ -22,6 +22,7 @@ from llmhost.gateway.config import (
     LOG_LEVELS,
     ConfigError,
     GatewayConfig,
+    is_loopback,
     join_host_port,
     load_config,
     parse_host_port,
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{d.idle_timeout_s:g})")
     p.add_argument("--tls-cert", type=Path, metavar="PATH", help="HTTPS certificate (PEM; with --tls-key)")
     p.add_argument("--tls-key", type=Path, metavar="PATH", help="HTTPS private key (PEM; with --tls-cert)")
+    p.add_argument("--allow-plaintext", action="store_true", default=None,
+                   help="serve plain HTTP on an address other than loopback (refused otherwise: keys and "
+                        "prompts would cross the network in the clear)")
     p.add_argument("--drain-timeout-s", type=_seconds, metavar="S",
                    help=f"on SIGTERM, requests in flight get this long to finish (default {d.drain_timeout_s:g})")
     p.add_argument("--engine-sockets", type=_engine_sockets, action="append", metavar="UPSTREAM=DIR",
@@ -170,6 +174,10 @@ def settings(args: argparse.Namespace) -> GatewayConfig:
         raise ConfigError("no keys file: give --keys-file PATH (or keys_file: in the config file)")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise ConfigError("give both --tls-cert and --tls-key (tls.cert and tls.key), or neither")
+    if config.tls_cert is None and not is_loopback(config.listen[0]) and not config.allow_plaintext:
+        raise ConfigError(f"--listen {join_host_port(config.listen)} without TLS would take API keys and prompts in "
+                          "plain HTTP from the network: give --tls-cert and --tls-key, listen on loopback, or "
+                          "say --allow-plaintext (allow_plaintext: true)")
     if len(set(config.upstreams)) != len(config.upstreams):
         raise ConfigError("an upstream is given twice")
     for upstream in config.engine_sockets:

@@ -7,6 +7,7 @@ unknown key is refused by name. Relative paths are relative to the file's folder
     upstreams: ["127.0.0.1:8001", "10.0.0.6:8001"]  # --upstream (repeat); Triton gRPC HOST:PORT
     models: [tiny]                     # --model (repeat); required, from the file or flags
     listen: "0.0.0.0:18080"            # --listen
+    allow_plaintext: false             # --allow-plaintext; plain HTTP on an address other than loopback
     metrics_listen: "127.0.0.1:18081"  # --metrics-listen
     keys_file: /etc/llmhost/keys.json  # --keys-file; required, from the file or flags
     max_body_bytes: 8388608            # --max-body-bytes; larger bodies: 413
@@ -63,6 +64,18 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether HOST (an address or name) is this machine's loopback only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def join_host_port(host_port: tuple[str, int]) -> str:
     host, port = host_port
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -89,6 +102,8 @@ class GatewayConfig:
     queue_timeout_s: float = 30.0
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # Plain HTTP (no TLS) on an address other than loopback: refused unless this is set.
+    allow_plaintext: bool = False
     # Upstream HOST:PORT -> the folder of its engine sockets (llmhost.backend.stream_socket).
     engine_sockets: dict[str, Path] = field(default_factory=dict)
     # Client connections (llmhost.gateway.connections): how many at once, and how long a
@@ -105,7 +120,7 @@ _TOP: dict[str, tuple[str, str]] = {
     "metrics_listen": ("metrics_listen", "host_port"), "keys_file": ("keys_file", "path"),
     "max_body_bytes": ("max_body_bytes", "positive_int"), "drain_timeout_s": ("drain_timeout_s", "positive"),
     "log_level": ("log_level", "log_level"), "event_loop": ("event_loop", "event_loop"),
-    "engine_sockets": ("engine_sockets", "socket_dirs"),
+    "engine_sockets": ("engine_sockets", "socket_dirs"), "allow_plaintext": ("allow_plaintext", "bool"),
 }
 # Kinds whose value is one of a few names.
 _CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "event_loop": EVENT_LOOPS}
@@ -125,6 +140,10 @@ def _value(where: str, kind: str, raw: Any, base: Path) -> Any:
         return ConfigError(f"{where} must be {expected} (got {raw!r})")
 
     is_int = isinstance(raw, int) and not isinstance(raw, bool)
+    if kind == "bool":
+        if not isinstance(raw, bool):
+            raise bad("true or false")
+        return raw
     if kind == "positive_int":
         if not is_int or raw < 1:
             raise bad("a positive integer")
