@@ -172,10 +172,14 @@ def test_admin_key_file_is_roots_alone_and_out_of_logs(converged: Converged, adm
                         ("converge output", converged.first_converge.stdout + converged.first_converge.stderr)):
         assert admin_key not in text, where
     assert "${LLMHOST_TRITON_ADMIN_KEY}" in unit
-    # Known limit (README): Triton takes the key only on its command line, which
-    # local users can read in /proc unless /proc is mounted with hidepid.
+    # Triton takes the key only on its command line: root sees it there, no other
+    # user does (/proc is mounted with hidepid=invisible, and so it stays at boot).
     pid = host.exec(["systemctl", "show", "-p", "MainPID", "--value", "tritonserver"]).stdout.strip()
     assert admin_key in host.exec(["cat", f"/proc/{pid}/cmdline"]).stdout.replace("\0", " ")
+    r = host.exec(["runuser", "-u", "nobody", "--", "cat", f"/proc/{pid}/cmdline"])
+    assert r.returncode != 0 and admin_key not in r.stdout.replace("\0", " "), r.stdout[-500:]
+    assert "No such file" in r.stderr, r.stderr
+    assert "hidepid=invisible" in host.exec(["cat", "/etc/fstab"], check=True).stdout
 
 
 @pytest.mark.parametrize("method,path,body", ADMIN_CALLS, ids=[f"{m} {p}" for m, p, _ in ADMIN_CALLS])

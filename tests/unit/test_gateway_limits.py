@@ -77,7 +77,11 @@ def test_tpm_charges_the_estimate_and_settles_with_the_real_usage():
 
 def test_an_estimate_above_the_whole_allowance_passes_on_a_full_bucket():
     limiter = KeyLimiter(Clock())
-    limiter.admit(_key(tpm=100), 10_000)
+    key = _key(tpm=100)
+    limiter.admit(key, 10_000)  # a full bucket lets it through (else no such request could ever run)
+    with pytest.raises(RateLimited) as info:  # and it emptied the bucket
+        limiter.admit(key, 1)
+    assert info.value.limit == "tpm"
 
 
 def test_max_concurrent_counts_requests_in_flight():
@@ -104,14 +108,19 @@ def test_a_refused_request_takes_nothing():
 
 def test_keys_without_limits_are_unlimited():
     limiter = KeyLimiter(Clock())
-    for _ in range(1000):
-        limiter.admit(_key(), 10_000)
+    leases = [limiter.admit(_key(), 10_000) for _ in range(1000)]  # none raises RateLimited
+    assert len(leases) == 1000
 
 
 def test_limits_are_per_key():
     limiter = KeyLimiter(Clock())
-    limiter.admit(ApiKey("a", "0" * 64, rpm=1), 0)
-    limiter.admit(ApiKey("b", "1" * 64, rpm=1), 0)
+    a, b = ApiKey("a", "0" * 64, rpm=1), ApiKey("b", "1" * 64, rpm=1)
+    limiter.admit(a, 0)
+    limiter.admit(b, 0)  # a's request took nothing of b's
+    for key in (a, b):
+        with pytest.raises(RateLimited) as info:
+            limiter.admit(key, 0)
+        assert info.value.limit == "rpm"
 
 
 @pytest.mark.parametrize(("field", "value"), [("rpm", 0), ("tpm", "100"), ("max_concurrent", True), ("rpm", -1),
