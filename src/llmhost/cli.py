@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run tritonserver with the llmhost vLLM backend in the foreground")
     s.add_argument("--model", type=Path, required=True, help="Hugging Face model directory")
     s.add_argument("--name", default="model", help="model name in Triton (default: model)")
-    s.add_argument("--host", default="127.0.0.1", help="bind address for HTTP and gRPC (inference)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address for gRPC, and for HTTP unless --http-host")
+    s.add_argument("--http-host", help="bind address for HTTP (default: --host; the roles keep it on 127.0.0.1)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="bind address for metrics (default 127.0.0.1)")
     s.add_argument("--http-port", type=_port, default=8000)
     s.add_argument("--grpc-port", type=_port, default=8001)
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         from llmhost.serve import ServeOptions, run
 
         opts = ServeOptions(
-            model=args.model, name=args.name, host=args.host, metrics_host=args.metrics_host,
+            model=args.model, name=args.name, host=args.host, http_host=args.http_host, metrics_host=args.metrics_host,
             admin_key_file=args.admin_key_file, http_port=args.http_port,
             grpc_port=args.grpc_port, metrics_port=args.metrics_port, workdir=args.workdir,
             device=args.device, max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,

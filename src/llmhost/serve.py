@@ -49,7 +49,8 @@ ENGINE_SOCKET_DIR = "engine"
 class ServeOptions:
     model: Path
     name: str = "model"
-    host: str = "127.0.0.1"  # HTTP and gRPC (inference)
+    host: str = "127.0.0.1"  # gRPC (inference), and HTTP unless http_host says otherwise
+    http_host: str | None = None
     metrics_host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 8001
@@ -146,7 +147,7 @@ def server_command(triton: TritonInstall, workdir: Path, opts: ServeOptions, dev
         server=str(triton.server),
         model_repository=str(workdir / "models"),
         backend_directory=str(workdir / "backends"),
-        address=opts.host, http_port=opts.http_port, grpc_port=opts.grpc_port,
+        address=opts.host, http_address=opts.http_host, http_port=opts.http_port, grpc_port=opts.grpc_port,
         metrics_address=opts.metrics_host, metrics_port=opts.metrics_port,
         gpu_metrics=device == "gpu",
         # Triton waits this long for in-flight requests on shutdown; our backend

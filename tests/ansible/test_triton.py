@@ -72,7 +72,8 @@ def test_unit_binds_inference_and_metrics_apart_and_restricts_admin_apis(
                    {"llmhost_venv_dir": str(VENV), **binds})
     argv = _exec_start(unit)
     inference, metrics = want
-    assert _flag(argv, "http-address") == [inference] and _flag(argv, "grpc-address") == [inference]
+    # HTTP (the API with Triton 2.51's CVEs) stays on loopback; gRPC follows llmhost_bind_address.
+    assert _flag(argv, "http-address") == ["127.0.0.1"] and _flag(argv, "grpc-address") == [inference]
     assert _flag(argv, "metrics-address") == [metrics]
     # The flags llmhost serve passes, with systemd's expansion of the key file's variable.
     assert [a for a in argv if "-restricted-" in a] == restriction_args(f"${{{ENV_NAME}}}")
@@ -125,7 +126,8 @@ def test_unit_and_llmhost_serve_render_one_command_line(tmp_path: Path) -> None:
                     "llmhost_metrics_bind_address": "127.0.0.2", "triton_http_port": 9000,
                     "triton_grpc_port": 9001, "triton_metrics_port": 9002, "llmhost_drain_timeout_s": 45,
                     "triton_service_log_verbose": 2, "triton_service_extra_args": extra})
-    opts = ServeOptions(model=tmp_path, host="0.0.0.0", metrics_host="127.0.0.2", http_port=9000, grpc_port=9001,
+    opts = ServeOptions(model=tmp_path, host="0.0.0.0", http_host="127.0.0.1", metrics_host="127.0.0.2",
+                        http_port=9000, grpc_port=9001,
                         metrics_port=9002, drain_timeout_s=45, log_verbose=2, triton_args=extra)
     triton = TritonInstall(server=root / "bin" / "tritonserver", python_backend=root / "backends" / "python",
                            stub=root / "stub")
