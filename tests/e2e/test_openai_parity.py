@@ -106,3 +106,26 @@ def test_echo_matches_vllm_serve_streamed_and_not(ours, theirs, server):
     assert mine.choices[0].text == vllms.choices[0].text and mine.choices[0].text.startswith(PROMPT)
     streamed = "".join(c.text for chunk in ours.completions.create(stream=True, **kw) for c in chunk.choices)
     assert streamed == mine.choices[0].text
+
+
+def test_a_prompt_of_token_ids_matches_vllm_serve_on_both_paths(ours, theirs, server, tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny_model).encode(PROMPT)
+    kw: dict[str, Any] = {"model": server.name, "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    vllms = theirs.completions.create(**kw)
+    # The engine socket (ours) and gRPC (a gateway without sockets) give the same.
+    grpc = keyed_gateway(server, tmp_path)
+    try:
+        over_grpc = openai.OpenAI(base_url=grpc.url, api_key=KEY, max_retries=0, timeout=120)
+        for client in (ours, over_grpc):
+            mine = client.completions.create(**kw)
+            assert mine.choices[0].text == vllms.choices[0].text
+            assert mine.usage.prompt_tokens == vllms.usage.prompt_tokens == len(ids)
+            _same_completion_logprobs(mine.choices[0].logprobs, vllms.choices[0].logprobs)
+        # An id outside the vocabulary is the client's error, named.
+        with pytest.raises(openai.BadRequestError) as info:
+            over_grpc.completions.create(**{**kw, "prompt": [1, 10 ** 9]})
+        assert "prompt_token_ids" in str(info.value) and "vocabulary" in str(info.value)
+    finally:
+        stop_gateway(grpc.proc, grpc.log)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -602,3 +603,29 @@ def test_echo_puts_the_prompt_before_each_completion_streamed_and_not():
     streamed = _map(json.dumps({"model": "m", "prompt": "Say:", "echo": True, "stream": True}).encode(), chat=False)
     events = _collect(streamed, [Piece([" a"], [], 2, [1], False), Piece([" b"], ["length"], 2, [1], True)])
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Say: a b"
+
+
+def _completion(**kw: Any) -> bytes:
+    return json.dumps({"model": "m", **kw}).encode()
+
+
+def test_a_prompt_of_token_ids_reaches_the_backend_on_both_paths():
+    for prompt in ([5, 0, 7], [[5, 0, 7]]):
+        req = _map(_completion(prompt=prompt), chat=False)
+        assert req.prompt_token_ids == [5, 0, 7] and req.text_input is None
+    line = json.loads(socket_request(req, "r"))
+    assert line["inputs"]["prompt_token_ids"] == [5, 0, 7] and "text_input" not in line["inputs"]
+    msg = build_request(req, "r")
+    ids = next(i for i, t in enumerate(msg.inputs) if t.name == "prompt_token_ids")
+    assert msg.inputs[ids].datatype == "INT64" and list(msg.inputs[ids].shape) == [3]
+    assert msg.raw_input_contents[ids] == struct.pack("<3q", 5, 0, 7)
+
+
+@pytest.mark.parametrize(("prompt", "extra", "param"), [
+    ([], {}, "prompt"), ([[]], {}, "prompt"), ([1, -2], {}, "prompt[1]"), ([1 << 63], {}, "prompt[0]"),
+    ([1, "a"], {}, "prompt"), ([[1], [2]], {}, "prompt"), ([1, 2], {"echo": True}, "echo"), ([1.5], {}, "prompt"),
+])
+def test_bad_token_id_prompts_are_refused_by_name(prompt, extra, param):
+    with pytest.raises(ApiError) as info:
+        _map(_completion(prompt=prompt, **extra), chat=False)
+    assert info.value.status == 400 and (info.value.param or "").startswith(param), (info.value.param, param)

@@ -126,3 +126,24 @@ def test_settings():
         parse_model_config({"model": "/m", "llmhost": {"tokenizer_threads": 0}})
     with pytest.raises(ConfigError, match=r"llmhost\.tokenizer_threads must be <= 64"):
         parse_model_config({"model": "/m", "llmhost": {"tokenizer_threads": 65}})
+
+
+def test_token_ids_are_used_as_given_within_the_vocabulary_and_the_context():
+    class Vocab(SlowTokenizer):
+        def __len__(self) -> int:
+            return 100
+
+    async def main() -> None:
+        enc = PromptEncoder(Vocab(), max_model_len=10, threads=1)
+        ids_job = GenerateJob(prompt=None, messages=None, stream=False, exclude_input=True, sampling={},
+                              prompt_token_ids=[0, 99, 5])
+        assert await enc.encode(ids_job) == [0, 99, 5]
+        ids_job.prompt_token_ids = [1, 100]
+        with pytest.raises(RequestError, match=r"token id 100; the model's vocabulary has 100 tokens \(0-99\)"):
+            await enc.encode(ids_job)
+        ids_job.prompt_token_ids = [1] * 10
+        with pytest.raises(RequestError, match="prompt is 10 tokens; the model's max_model_len is 10"):
+            await enc.encode(ids_job)
+        enc.close()
+
+    asyncio.run(main())

@@ -69,7 +69,7 @@ def test_messages_parsed_and_exclude_input_forced():
     ("inputs", "params", "needle"),
     [
         ({}, {}, "missing input"),
-        ({"text_input": "a", "messages": "[]"}, {}, "not both"),
+        ({"text_input": "a", "messages": "[]"}, {}, "not several"),
         ({"text_input": "   "}, {}, "'text_input' is empty"),
         ({"text_input": b"\xff\xfe"}, {}, "not valid UTF-8"),
         ({"text_input": "a", "sampling_parameters": "{not json"}, {}, "'sampling_parameters' is not valid JSON"),
@@ -173,3 +173,31 @@ def test_a_stream_cannot_ask_for_the_prompt_in_its_output():
     assert parse(text_input="hi", stream=True).exclude_input is False  # (a stream never prepends the prompt)
     assert parse(text_input="hi", stream=True, exclude_input_in_output=True).exclude_input
     assert parse(text_input="hi", exclude_input_in_output=False).exclude_input is False
+
+
+def test_a_prompt_of_token_ids_as_triton_and_the_engine_socket_give_it():
+    job = parse_request({"prompt_token_ids": np.array([5, 0, 7], dtype=np.int64)}, "{}", S)
+    assert job.prompt_token_ids == [5, 0, 7] and job.prompt is None and job.messages is None and job.exclude_input
+    assert all(type(i) is int for i in job.prompt_token_ids)
+    from llmhost.backend.stream_socket import request_inputs
+
+    assert parse_request(request_inputs({"prompt_token_ids": [1, 2]}), "{}", S).prompt_token_ids == [1, 2]
+
+
+@pytest.mark.parametrize(("ids", "needle"), [
+    ([], "non-empty list of token ids"),
+    ([1, -1], r"'prompt_token_ids'\[1\] must be a token id"),
+    ([1, "2"], r"'prompt_token_ids'\[1\] must be a token id"),
+    ([True], r"'prompt_token_ids'\[0\] must be a token id"),
+    ("12", "non-empty list of token ids"),
+])
+def test_bad_token_ids_are_named(ids, needle):
+    from llmhost.backend.stream_socket import request_inputs
+
+    with pytest.raises(RequestError, match=needle):
+        parse_request(request_inputs({"prompt_token_ids": ids}), "{}", S)
+
+
+def test_token_ids_with_text_are_refused():
+    with pytest.raises(RequestError, match="give one of 'text_input', 'messages' and 'prompt_token_ids'"):
+        parse_request({"prompt_token_ids": np.array([1], dtype=np.int64), "text_input": arr("hi")}, "{}", S)

@@ -47,6 +47,7 @@ from llmhost.backend.outputs import response_outputs
 from llmhost.backend.request import (
     BOOL_INPUTS,
     MESSAGES,
+    PROMPT_TOKEN_IDS,
     SAMPLING_PARAMETERS,
     TEXT_INPUT,
     client_id,
@@ -59,6 +60,7 @@ from llmhost.backend.triton_params import ENABLE_VLLM_HEALTH_CHECK, bool_param, 
 INPUTS: list[dict[str, Any]] = [
     {"name": TEXT_INPUT, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": MESSAGES, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": PROMPT_TOKEN_IDS, "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
     {"name": SAMPLING_PARAMETERS, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     *({"name": n, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for n in BOOL_INPUTS),
     # vllm_backend's: base64-encoded images for a multimodal model (llmhost.backend.images).

@@ -98,6 +98,8 @@ class PromptEncoder:
         self._large = asyncio.Semaphore(max(1, threads - 1))
 
     async def encode(self, job: GenerateJob) -> list[int]:
+        if job.prompt_token_ids is not None:
+            return self._given_ids(job.prompt_token_ids)
         if job.prompt_bytes > LARGE_PROMPT_BYTES:
             async with self._large:
                 return await self._pool.run(lambda: self._encode(job))
@@ -116,6 +118,22 @@ class PromptEncoder:
             tok = self._local.tokenizer = copy.deepcopy(self._original)
         return tok
 
+    def _given_ids(self, ids: list[int]) -> list[int]:
+        """A prompt given as token ids: each in the vocabulary, leaving room for output."""
+        vocab = len(self._original)
+        if (top := max(ids)) >= vocab:
+            raise RequestError(f"input 'prompt_token_ids' holds token id {top}; the model's vocabulary has "
+                               f"{vocab} tokens (0-{vocab - 1})")
+        self._check_length(len(ids))
+        return ids
+
+    def _check_length(self, n: int) -> None:
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"prompt is {n} tokens; the model's max_model_len is {self.max_model_len} "
+                f"(the prompt must leave room for at least one output token)"
+            )
+
     def _encode(self, job: GenerateJob) -> list[int]:
         tok = self._tokenizer()
         if job.messages is not None:
@@ -128,9 +146,5 @@ class PromptEncoder:
             ids = tok.encode(job.prompt, add_special_tokens=True)
         if not ids:
             raise RequestError("the prompt encodes to no tokens")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(
-                f"prompt is {len(ids)} tokens; the model's max_model_len is {self.max_model_len} "
-                f"(the prompt must leave room for at least one output token)"
-            )
+        self._check_length(len(ids))
         return list(ids)

@@ -21,6 +21,10 @@ from llmhost.backend.outputs import SPARSE_OUTPUTS
 from llmhost.backend.sampling import validate_sampling
 
 TEXT_INPUT = "text_input"
+# A prompt given as token ids (INT64 [-1]) instead of text_input or messages.
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+# More ids than any model's context: refused before anything else looks at them.
+MAX_PROMPT_TOKEN_IDS = 1 << 20
 MESSAGES = "messages"
 STREAM = "stream"
 SAMPLING_PARAMETERS = "sampling_parameters"
@@ -93,6 +97,8 @@ class GenerateJob:
     lora_name: str | None = None
     # The 'image' input's pictures, base64-decoded (llmhost.backend.images); empty: text only.
     images: list[bytes] = field(default_factory=list)
+    # The prompt as token ids (the prompt_token_ids input), used as they are.
+    prompt_token_ids: list[int] | None = None
 
     def returns(self) -> frozenset[str]:
         """The additional outputs asked for, as the names of their return_* inputs,
@@ -147,6 +153,20 @@ def _bool(name: str, value: Any) -> bool:
     if isinstance(item, bool) or type(item).__name__ == "bool_":
         return bool(item)
     raise RequestError(f"input '{name}' must be a BOOL, got {item!r}")
+
+
+def token_ids(value: Any) -> list[int]:
+    """The prompt_token_ids input: a non-empty list of token ids (integers >= 0)."""
+    flat = value.reshape(-1).tolist() if hasattr(value, "reshape") else value
+    if not isinstance(flat, list) or not flat:
+        raise RequestError(f"input '{PROMPT_TOKEN_IDS}' must be a non-empty list of token ids")
+    if len(flat) > MAX_PROMPT_TOKEN_IDS:
+        raise RequestError(f"input '{PROMPT_TOKEN_IDS}' holds {len(flat)} ids; at most {MAX_PROMPT_TOKEN_IDS}")
+    for i, item in enumerate(flat):
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise RequestError(f"input '{PROMPT_TOKEN_IDS}'[{i}] must be a token id (an integer >= 0), got "
+                               f"{str(item)[:40]!r}")
+    return flat
 
 
 def parse_messages(text: str) -> list[dict[str, str]]:
@@ -243,14 +263,19 @@ def parse_request(
     ``limits`` (from the running engine) adds the prompt's byte limit and max_model_len."""
     has_text = inputs.get(TEXT_INPUT) is not None
     has_messages = inputs.get(MESSAGES) is not None
-    if has_text and has_messages:
-        raise RequestError("give either 'text_input' or 'messages', not both")
-    if not has_text and not has_messages:
+    has_ids = inputs.get(PROMPT_TOKEN_IDS) is not None
+    if has_text + has_messages + has_ids > 1:
+        raise RequestError(f"give one of 'text_input', 'messages' and '{PROMPT_TOKEN_IDS}', not several")
+    if not has_text and not has_messages and not has_ids:
         raise RequestError("missing input: give 'text_input' (a prompt) or 'messages' (a JSON chat list)")
 
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
-    if has_text:
+    ids: list[int] | None = None
+    if has_ids:
+        ids = token_ids(inputs[PROMPT_TOKEN_IDS])
+        prompt_bytes = 0
+    elif has_text:
         if limits is None:
             prompt = _text(TEXT_INPUT, inputs[TEXT_INPUT])
         else:
@@ -292,7 +317,9 @@ def parse_request(
         prompt=prompt,
         messages=messages,
         stream=stream,
-        exclude_input=flags.get(EXCLUDE_INPUT, settings.exclude_input_in_output) or messages is not None,
+        # A chat or token ids have no prompt text of their own to put before the output.
+        exclude_input=(flags.get(EXCLUDE_INPUT, settings.exclude_input_in_output) or messages is not None
+                       or ids is not None),
         sampling=sampling,
         **{name: flags.get(name, False) for name in RETURN_FLAGS},
         sparse_outputs=sparse,
@@ -300,4 +327,5 @@ def parse_request(
         prompt_bytes=prompt_bytes,
         lora_name=lora_name,
         images=images,
+        prompt_token_ids=ids,
     )

@@ -45,7 +45,7 @@ from llmhost.backend.failures import ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST,
 from llmhost.backend.lora import find_adapter
 from llmhost.backend.metrics import RESPONSE_DELAY
 from llmhost.backend.outputs import response_outputs
-from llmhost.backend.request import BOOL_INPUTS, client_id, client_label, parse_request
+from llmhost.backend.request import BOOL_INPUTS, PROMPT_TOKEN_IDS, client_id, client_label, parse_request
 
 SOCKET_DIR_ENV = "LLMHOST_ENGINE_SOCKET_DIR"
 # The largest request line: a prompt at the largest max_prompt_bytes, JSON-escaped,
@@ -70,10 +70,13 @@ def socket_path(directory: Path, model: str, version: str, instance: str) -> Pat
 
 
 def request_inputs(raw: dict[str, Any]) -> dict[str, Any]:
-    """The line's inputs in parse_request's shape (one-element lists; ``image`` a list)."""
+    """The line's inputs in parse_request's shape (one-element lists; ``image`` and
+    ``prompt_token_ids`` lists)."""
     inputs: dict[str, Any] = {}
     for name, value in raw.items():
-        if name == "image":
+        if name == PROMPT_TOKEN_IDS:
+            inputs[name] = value
+        elif name == "image":
             inputs[name] = value if isinstance(value, list) else [value]
         elif value is not None:
             if name in BOOL_INPUTS and not isinstance(value, bool):

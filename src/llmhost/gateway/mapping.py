@@ -44,10 +44,12 @@ class BackendRequest:
     logprobs: int | None = None
     # The prompt's text, to come before the completion's (completions' echo).
     echo: str | None = None
+    # The prompt as token ids (completions), instead of text_input.
+    prompt_token_ids: list[int] | None = None
 
 
 # Names pydantic puts into an error's location for the member of a union.
-_UNION_TAGS = frozenset({"str", "list[str]", "list[TextPart]"})
+_UNION_TAGS = frozenset({"str", "list[str]", "list[TextPart]", "list[int]", "list[list[int]]"})
 
 
 def _param(loc: tuple[Any, ...]) -> str:
@@ -157,6 +159,7 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     text_input = messages = None
+    prompt_token_ids: list[int] | None = None
     if isinstance(req, ChatCompletionRequest):
         messages = []
         for m in req.messages:
@@ -165,16 +168,29 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
                 msg["name"] = m.name
             messages.append(msg)
     else:
-        if isinstance(req.prompt, list):
-            if len(req.prompt) != 1:
-                raise unsupported("prompt", "must be one string (a list of several prompts is not supported)")
-            text_input = req.prompt[0]
+        prompt: Any = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            prompt = [prompt]  # one prompt of token ids
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise unsupported("prompt", "must be one prompt: a string, or a list of token ids (a list of "
+                                  "several prompts is not supported)")
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            if not prompt:
+                raise invalid("'prompt' holds no token ids", "prompt")
+            if (bad := next((i for i, t in enumerate(prompt) if not 0 <= t < 1 << 63), None)) is not None:
+                raise invalid(f"'prompt[{bad}]' is not a token id (an integer >= 0)", f"prompt[{bad}]")
+            prompt_token_ids = prompt
+            if req.echo:
+                raise unsupported("echo", "with a prompt of token ids is not supported (give the prompt as text)")
         else:
-            text_input = req.prompt
+            text_input = prompt
         if req.echo and logprobs is not None:
             raise unsupported("echo", "with 'logprobs' would need the prompt's log probabilities, "
                               "which are not served; ask for one of the two")
     return BackendRequest(model=req.model, text_input=text_input, messages=messages, sampling=sampling,
                           stream=bool(req.stream), n=req.n or 1, include_usage=include_usage, chat=chat,
                           user=req.user, logprobs=logprobs,
-                          echo=text_input if isinstance(req, CompletionRequest) and req.echo else None)
+                          echo=text_input if isinstance(req, CompletionRequest) and req.echo else None,
+                          prompt_token_ids=prompt_token_ids)

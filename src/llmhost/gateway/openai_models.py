@@ -94,7 +94,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    # Text, or token ids (one list of them, or a list holding one such list).
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     # The top LOGPROBS log probabilities per generated token (besides the sampled token's).
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # The prompt's text before the completion's.

@@ -83,8 +83,13 @@ def backend_flags(req: BackendRequest) -> tuple[str, ...]:
 
 def socket_request(req: BackendRequest, request_id: str) -> bytes:
     """The engine socket's request line for one backend request."""
-    inputs: dict[str, Any] = {"text_input": req.text_input} if req.text_input is not None else {
-        "messages": json.dumps(req.messages)}
+    inputs: dict[str, Any]
+    if req.prompt_token_ids is not None:
+        inputs = {"prompt_token_ids": req.prompt_token_ids}
+    elif req.text_input is not None:
+        inputs = {"text_input": req.text_input}
+    else:
+        inputs = {"messages": json.dumps(req.messages)}
     inputs["sampling_parameters"] = json.dumps(req.sampling)
     inputs["stream"] = req.stream
     inputs.update(dict.fromkeys(backend_flags(req), True))
@@ -112,18 +117,21 @@ def build_request(req: BackendRequest, request_id: str) -> Any:
     # finish_reason and num_input_tokens only in the responses where they say
     # something (llmhost.backend.outputs): fewer tensors per token for the stub.
     msg.parameters["sparse_outputs"].bool_param = True
-    text = req.text_input if req.text_input is not None else json.dumps(req.messages)
-    tensors: list[tuple[str, str, bytes]] = [
-        ("text_input" if req.text_input is not None else "messages", "BYTES",
-         _bytes_tensor([text.encode("utf-8", "surrogatepass")])),
-        ("sampling_parameters", "BYTES", _bytes_tensor([json.dumps(req.sampling).encode()])),
-    ]
+    tensors: list[tuple[str, str, bytes, int]] = []
+    if req.prompt_token_ids is not None:
+        ids = req.prompt_token_ids
+        tensors.append(("prompt_token_ids", "INT64", struct.pack(f"<{len(ids)}q", *ids), len(ids)))
+    else:
+        text = req.text_input if req.text_input is not None else json.dumps(req.messages)
+        tensors.append(("text_input" if req.text_input is not None else "messages", "BYTES",
+                        _bytes_tensor([text.encode("utf-8", "surrogatepass")]), 1))
+    tensors.append(("sampling_parameters", "BYTES", _bytes_tensor([json.dumps(req.sampling).encode()]), 1))
     for name, flag in (("stream", req.stream), *((f, True) for f in backend_flags(req))):
-        tensors.append((name, "BOOL", b"\x01" if flag else b"\x00"))
-    for name, dtype, raw in tensors:
+        tensors.append((name, "BOOL", b"\x01" if flag else b"\x00", 1))
+    for name, dtype, raw, size in tensors:
         t = msg.inputs.add()
         t.name, t.datatype = name, dtype
-        t.shape.append(1)
+        t.shape.append(size)
         msg.raw_input_contents.append(raw)
     return msg
 
