@@ -129,3 +129,24 @@ def test_a_prompt_of_token_ids_matches_vllm_serve_on_both_paths(ours, theirs, se
         assert "prompt_token_ids" in str(info.value) and "vocabulary" in str(info.value)
     finally:
         stop_gateway(grpc.proc, grpc.log)
+
+
+def test_several_prompts_match_vllm_serve_streamed_and_not(ours, theirs, server):
+    prompts = [PROMPT, "import os", "class A:"]
+    kw: dict[str, Any] = {"model": server.name, "prompt": prompts, "max_tokens": 5, "temperature": 0}
+    mine, vllms = ours.completions.create(**kw), theirs.completions.create(**kw)
+    assert [(c.index, c.text, c.finish_reason) for c in mine.choices] == [
+        (c.index, c.text, c.finish_reason) for c in sorted(vllms.choices, key=lambda c: c.index)]
+    assert len(mine.choices) == 3 and mine.usage == vllms.usage
+    # n choices per prompt, prompt by prompt; streamed, every choice's chunks carry its index.
+    kw.update(n=2, temperature=1.0, extra_body={"ignore_eos": True})
+    finished: dict[int, str] = {}
+    usage = None
+    for chunk in ours.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            if c.finish_reason is not None:
+                finished[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert finished == dict.fromkeys(range(6), "length")
+    assert usage is not None and usage.completion_tokens == 6 * 5
+    assert usage.prompt_tokens == mine.usage.prompt_tokens

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from llmhost.gateway.app import create_app
+from llmhost.gateway.batch import merged, split
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.errors import ApiError, unavailable
 from llmhost.gateway.keys import KeysError, KeyStore, hash_key, parse_keys
@@ -132,10 +133,63 @@ def test_echo_with_logprobs_is_refused_by_name():
     assert info.value.status == 400 and info.value.param == "echo"
 
 
-def test_several_prompts_are_refused_by_name():
-    with pytest.raises(ApiError) as info:
-        _map(json.dumps({"model": "m", "prompt": ["a", "b"]}).encode(), chat=False)
-    assert info.value.param == "prompt"
+def test_several_prompts_become_a_batch_of_requests():
+    req = _map(json.dumps({"model": "m", "prompt": ["a", "b"], "n": 2}).encode(), chat=False)
+    assert req.batch == ["a", "b"] and req.choices == 4
+    one, two = split(req)
+    assert (one.text_input, one.prompt_token_ids, one.n, one.batch) == ("a", None, 2, [])
+    assert (two.text_input, two.prompt_token_ids) == ("b", None)
+    ids = split(_map(json.dumps({"model": "m", "prompt": [[1, 2], [3]]}).encode(), chat=False))
+    assert [(r.text_input, r.prompt_token_ids) for r in ids] == [(None, [1, 2]), (None, [3])]
+    for bad, param in (({"prompt": ["a"] * 257}, "prompt"), ({"prompt": ["a", "b"], "echo": True}, "echo"),
+                       ({"prompt": [[1], [2, -1]]}, "prompt[1][1]"), ({"prompt": [[1], []]}, "prompt[1]")):
+        with pytest.raises(ApiError) as info:
+            _map(json.dumps({"model": "m", **bad}).encode(), chat=False)
+        assert info.value.param == param, (bad, info.value.param)
+
+
+def test_a_batch_merges_its_streams_choice_by_prompt():
+    async def stream(k: int) -> AsyncIterator[Piece]:
+        await asyncio.sleep(0.01 * (2 - k))  # the second prompt answers first
+        yield Piece([f"p{k}a", f"p{k}b"], [], 3 + k, [1, 1], False)
+        yield Piece(["!", "?"], ["length", "stop"], 3 + k, [1, 0], True)
+
+    async def run() -> list[Piece]:
+        return [p async for p in merged([stream(0), stream(1)], 2)]
+
+    pieces = asyncio.run(run())
+    assert pieces[0].texts == ["", "", "p1a", "p1b"]
+    acc = Accumulator(4)
+    for p in pieces:
+        acc.add(p)
+    assert acc.texts == ["p0a!", "p0b?", "p1a!", "p1b?"]
+    assert acc.reasons == ["length", "stop", "length", "stop"]
+    assert acc.num_input == 7 and acc.num_output == [2, 1, 2, 1]
+
+
+def test_a_failing_prompt_fails_the_batch_and_closes_the_others():
+    closed: list[int] = []
+
+    async def slow() -> AsyncIterator[Piece]:
+        try:
+            yield Piece(["x"], [], 1, [1], False)
+            await asyncio.sleep(30)
+            yield Piece(["y"], ["stop"], 1, [1], True)
+        finally:
+            closed.append(0)
+
+    async def failing() -> AsyncIterator[Piece]:
+        await asyncio.sleep(0.05)
+        raise ApiError(400, "no", "invalid_request_error")
+        yield  # an async generator
+
+    async def run() -> None:
+        async for _ in merged([slow(), failing()], 1):
+            pass
+
+    with pytest.raises(ApiError):
+        asyncio.run(asyncio.wait_for(run(), 10))
+    assert closed == [0]
 
 
 def test_key_cap_refuses_above_and_is_the_default():
@@ -623,7 +677,8 @@ def test_a_prompt_of_token_ids_reaches_the_backend_on_both_paths():
 
 @pytest.mark.parametrize(("prompt", "extra", "param"), [
     ([], {}, "prompt"), ([[]], {}, "prompt"), ([1, -2], {}, "prompt[1]"), ([1 << 63], {}, "prompt[0]"),
-    ([1, "a"], {}, "prompt"), ([[1], [2]], {}, "prompt"), ([1, 2], {"echo": True}, "echo"), ([1.5], {}, "prompt"),
+    ([1, "a"], {}, "prompt"), ([[1], [2]], {"echo": True}, "echo"), ([1, 2], {"echo": True}, "echo"),
+    ([1.5], {}, "prompt"),
 ])
 def test_bad_token_id_prompts_are_refused_by_name(prompt, extra, param):
     with pytest.raises(ApiError) as info:

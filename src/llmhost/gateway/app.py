@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from llmhost.gateway.batch import merged, split
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.errors import ApiError, model_not_found
 from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
@@ -82,7 +83,7 @@ async def _counted(pieces: AsyncIterator[Piece], rec: RequestRecord) -> AsyncIte
 def _estimate(req: BackendRequest) -> int:
     """A request's tokens-per-minute charge up front: max_tokens per completion."""
     max_tokens = req.sampling.get("max_tokens")
-    return (max_tokens if isinstance(max_tokens, int) else DEFAULT_MAX_TOKENS) * max(1, req.n)
+    return (max_tokens if isinstance(max_tokens, int) else DEFAULT_MAX_TOKENS) * req.choices
 
 
 class Gateway:
@@ -152,8 +153,7 @@ class Gateway:
             if req.model not in self.config.models or not key.may_use(req.model):
                 raise model_not_found(req.model)
             self.admit(request, key, _estimate(req))
-            pieces = _counted(self.pool.stream(req.model, lambda client: client.generate(req),
-                                               self.note_upstream(request)), rec)
+            pieces = _counted(self._pieces(req, request), rec)
             rid = new_id(chat)
             if req.stream:
                 # The first response before the status line: a request the backend
@@ -161,7 +161,7 @@ class Gateway:
                 first = await until_disconnect(request, _first(pieces))
                 rec.ttft_s = time.monotonic() - rec.start
                 return EventStream(stream_chunks(req, first, pieces, rid))
-            acc = await until_disconnect(request, _gather(pieces, req.n))
+            acc = await until_disconnect(request, _gather(pieces, req.choices))
             return json_response(completion_body(req, acc, rid, int(time.time())))
         except ApiError as exc:
             if rec.model is None and raw:  # refused before the body was parsed: the metrics' model label
@@ -169,6 +169,15 @@ class Gateway:
             return error_response(exc)
         except ClientGone:
             return Response(None, 499)
+
+    def _pieces(self, req: BackendRequest, request: Request) -> AsyncIterator[Piece]:
+        """The backend's pieces for REQ: one upstream request, or one per prompt of a batch, merged."""
+        def call(one: BackendRequest) -> AsyncIterator[Piece]:
+            return self.pool.stream(one.model, lambda client: client.generate(one), self.note_upstream(request))
+
+        if not req.batch:
+            return call(req)
+        return merged([call(one) for one in split(req)], req.n)
 
     async def not_found(self, request: Request) -> Response:
         return error_response(ApiError(404, f"no such path: {request.method} {request.url.path}",

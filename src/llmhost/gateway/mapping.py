@@ -46,7 +46,17 @@ class BackendRequest:
     echo: str | None = None
     # The prompt as token ids (completions), instead of text_input.
     prompt_token_ids: list[int] | None = None
+    # Several prompts (completions): each is a request of its own with n choices, and
+    # the answer's choices run prompt by prompt (llmhost.gateway.batch).
+    batch: list[str | list[int]] = field(default_factory=list)
 
+    @property
+    def choices(self) -> int:
+        return self.n * max(1, len(self.batch))
+
+
+# The most prompts one completions request may hold (each becomes a request upstream).
+MAX_PROMPTS = 256
 
 # Names pydantic puts into an error's location for the member of a union.
 _UNION_TAGS = frozenset({"str", "list[str]", "list[TextPart]", "list[int]", "list[list[int]]"})
@@ -132,6 +142,27 @@ def _logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
     return req.logprobs
 
 
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A completions prompt as a list of prompts, each a string or a list of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    flat = bool(prompt) and isinstance(prompt[0], int)
+    if flat:
+        prompt = [prompt]  # one prompt of token ids
+    if not prompt:
+        raise invalid("'prompt' holds no prompt", "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise invalid(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} are served at once", "prompt")
+    for i, one in enumerate(prompt):
+        if isinstance(one, list):
+            if not one:
+                raise invalid(f"'prompt[{i}]' holds no token ids", f"prompt[{i}]")
+            if (bad := next((j for j, t in enumerate(one) if not 0 <= t < 1 << 63), None)) is not None:
+                where = f"prompt[{bad}]" if flat else f"prompt[{i}][{bad}]"
+                raise invalid(f"'{where}' is not a token id (an integer >= 0)", where)
+    return list(prompt)
+
+
 def _content(content: str | list[Any]) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
@@ -160,6 +191,7 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
         sampling["logprobs"] = logprobs
     text_input = messages = None
     prompt_token_ids: list[int] | None = None
+    batch: list[str | list[int]] = []
     if isinstance(req, ChatCompletionRequest):
         messages = []
         for m in req.messages:
@@ -168,29 +200,20 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
                 msg["name"] = m.name
             messages.append(msg)
     else:
-        prompt: Any = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            prompt = [prompt]  # one prompt of token ids
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise unsupported("prompt", "must be one prompt: a string, or a list of token ids (a list of "
-                                  "several prompts is not supported)")
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            if not prompt:
-                raise invalid("'prompt' holds no token ids", "prompt")
-            if (bad := next((i for i, t in enumerate(prompt) if not 0 <= t < 1 << 63), None)) is not None:
-                raise invalid(f"'prompt[{bad}]' is not a token id (an integer >= 0)", f"prompt[{bad}]")
-            prompt_token_ids = prompt
-            if req.echo:
-                raise unsupported("echo", "with a prompt of token ids is not supported (give the prompt as text)")
-        else:
-            text_input = prompt
+        prompts = _prompts(req.prompt)
+        if req.echo and (len(prompts) > 1 or isinstance(prompts[0], list)):
+            raise unsupported("echo", "needs one prompt given as text")
         if req.echo and logprobs is not None:
             raise unsupported("echo", "with 'logprobs' would need the prompt's log probabilities, "
                               "which are not served; ask for one of the two")
+        if len(prompts) > 1:
+            batch = prompts
+        elif isinstance(prompts[0], list):
+            prompt_token_ids = prompts[0]
+        else:
+            text_input = prompts[0]
     return BackendRequest(model=req.model, text_input=text_input, messages=messages, sampling=sampling,
                           stream=bool(req.stream), n=req.n or 1, include_usage=include_usage, chat=chat,
                           user=req.user, logprobs=logprobs,
                           echo=text_input if isinstance(req, CompletionRequest) and req.echo else None,
-                          prompt_token_ids=prompt_token_ids)
+                          prompt_token_ids=prompt_token_ids, batch=batch)

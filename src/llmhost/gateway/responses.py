@@ -164,7 +164,7 @@ class _StreamLogprobs:
 
     def __init__(self, req: BackendRequest) -> None:
         self.req = req
-        self.offsets = [len(req.echo or "")] * req.n
+        self.offsets = [len(req.echo or "")] * req.choices
 
     def of(self, piece: Piece, i: int) -> dict[str, Any] | None:
         if self.req.logprobs is None:
@@ -182,13 +182,13 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
     chunk per backend piece; finish reasons; usage (include_usage); ``[DONE]``.
     An upstream error after the first chunk is sent as a ``data: {"error": ...}`` event."""
     created = int(time.time())
-    acc = Accumulator(req.n)
+    acc = Accumulator(req.choices)
     logprobs = _StreamLogprobs(req)
     # Completions' echo: the prompt's text comes with each completion's first chunk.
-    unechoed = [req.echo] * req.n if req.echo else [None] * req.n
+    unechoed = [req.echo if req.echo else None] * req.choices
     head, tail = _envelope(chunk(req, rid, created, []))
     if req.chat:
-        yield sse(chunk(req, rid, created, [_choice(req, i, "", None, role=True) for i in range(req.n)]))
+        yield sse(chunk(req, rid, created, [_choice(req, i, "", None, role=True) for i in range(req.choices)]))
     try:
         pieces: list[Piece] = [first] if first is not None else []
         while True:
@@ -201,7 +201,7 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
             before, finished = list(acc.num_output), list(acc.reasons)
             acc.add(piece)
             choices = []
-            for i in range(req.n):
+            for i in range(req.choices):
                 text = piece.texts[i] if i < len(piece.texts) else ""
                 # Once per choice: a completion that finished before the others keeps
                 # its reason in the backend's later responses.
