@@ -191,3 +191,24 @@ def test_the_app_limits_concurrent_streams_of_a_key():
             assert (await c.post("/v1/chat/completions", content=chat())).status_code == 200
 
     asyncio.run(run())
+
+
+def test_the_up_front_charge_counts_the_prompt_too():
+    from llmhost.gateway.app import _estimate
+    from llmhost.gateway.mapping import parse_body, to_backend
+
+    def req(**body: object):  # type: ignore[no-untyped-def]
+        chat = "messages" in body
+        return to_backend(parse_body(json.dumps({"model": "m", "max_tokens": 10, **body}).encode(), chat))
+
+    assert _estimate(req(prompt="a" * 400)) == 100 + 10
+    assert _estimate(req(prompt=[1, 2, 3], n=2)) == 3 + 2 * 10
+    assert _estimate(req(prompt=["a" * 8, "b" * 4])) == 2 + 1 + 2 * 10
+    assert _estimate(req(messages=[{"role": "user", "content": "é" * 200}])) == 100 + 10
+    # A key's tokens per minute: a long prompt in flight leaves no room for the next request.
+    limiter = KeyLimiter(Clock())
+    key = _key(tpm=1000)
+    limiter.admit(key, _estimate(req(prompt="x" * 3600)))
+    with pytest.raises(RateLimited) as info:
+        limiter.admit(key, _estimate(req(prompt="y" * 400)))  # 110: more than the 90 left, though max_tokens is 10
+    assert info.value.limit == "tpm"

@@ -80,10 +80,25 @@ async def _counted(pieces: AsyncIterator[Piece], rec: RequestRecord) -> AsyncIte
             await aclose()
 
 
+# UTF-8 bytes per token for the up-front estimate of a text prompt (English text runs
+# at about 4 with the common tokenizers; the real count settles the charge after).
+BYTES_PER_TOKEN = 4
+
+
+def _prompt_estimate(req: BackendRequest) -> int:
+    """The prompt tokens a request will likely use, before a tokenizer has seen it."""
+    prompts: list[Any] = req.batch or [req.prompt_token_ids if req.prompt_token_ids is not None else req.text_input]
+    if req.messages is not None:
+        prompts = ["".join(m.get("content", "") for m in req.messages)]
+    return sum(len(p) if isinstance(p, list) else -(-len((p or "").encode("utf-8", "surrogatepass"))
+                                                      // BYTES_PER_TOKEN) for p in prompts)
+
+
 def _estimate(req: BackendRequest) -> int:
-    """A request's tokens-per-minute charge up front: max_tokens per completion."""
+    """A request's tokens-per-minute charge up front: its prompt's likely tokens, and
+    max_tokens per completion. The real usage settles it when the request ends."""
     max_tokens = req.sampling.get("max_tokens")
-    return (max_tokens if isinstance(max_tokens, int) else DEFAULT_MAX_TOKENS) * req.choices
+    return _prompt_estimate(req) + (max_tokens if isinstance(max_tokens, int) else DEFAULT_MAX_TOKENS) * req.choices
 
 
 class Gateway:
