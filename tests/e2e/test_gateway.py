@@ -202,7 +202,8 @@ def test_missing_or_wrong_key_is_401(gateway, server):
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"echo": True}, "echo"),
     ({"bogus_field": 1}, "bogus_field"),
     ({"temperature": -1}, "temperature"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
