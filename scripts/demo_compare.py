@@ -10,7 +10,8 @@ and measures both at each concurrency: random prompts of --input-len tokens,
 machine's cores; the idle one waits on its queue); the client runs in this process,
 and its CPU seconds per level are recorded, with the machine's load.
 
-Usage: python3 scripts/demo_compare.py OUT [--rounds 2] [--concurrency 16,64]
+Usage, from the repository's root (tests.harness starts `vllm serve`):
+    PYTHONPATH=. .venv/bin/python scripts/demo_compare.py OUT [--rounds 2] [--concurrency 16,64]
 Writes OUT/result.json (every level's numbers and the medians of the per-round ratios
 demo gateway / vllm) and OUT/compare.log.
 """
@@ -104,5 +105,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.harness
     sys.exit(main())
