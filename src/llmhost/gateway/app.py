@@ -87,9 +87,10 @@ BYTES_PER_TOKEN = 4
 
 def _prompt_estimate(req: BackendRequest) -> int:
     """The prompt tokens a request will likely use, before a tokenizer has seen it."""
-    prompts: list[Any] = req.batch or [req.prompt_token_ids if req.prompt_token_ids is not None else req.text_input]
     if req.messages is not None:
-        prompts = ["".join(m.get("content", "") for m in req.messages)]
+        prompts: list[Any] = ["".join(m.get("content", "") for m in req.messages)]
+    else:
+        prompts = req.batch or [req.prompt_token_ids if req.prompt_token_ids is not None else req.text_input]
     return sum(len(p) if isinstance(p, list) else -(-len((p or "").encode("utf-8", "surrogatepass"))
                                                       // BYTES_PER_TOKEN) for p in prompts)
 

@@ -105,16 +105,20 @@ class Accumulator:
         self.num_output = [0] * n
         self.logprobs: list[list[Position]] = [[] for _ in range(n)]
 
-    def add(self, piece: Piece) -> None:
+    def add(self, piece: Piece) -> list[list[Position]]:
+        """Adds PIECE; returns its own log probabilities per choice (parsed once here)."""
         for i, text in enumerate(piece.texts[:len(self.texts)]):
             self.texts[i] += text
             self.reasons[i] = _finish(piece.finish_reasons, i) or self.reasons[i]
+        added: list[list[Position]] = [[] for _ in self.logprobs]
         for i, raw in enumerate(piece.logprobs[:len(self.logprobs)]):
-            self.logprobs[i] += positions(raw)
+            added[i] = positions(raw)
+            self.logprobs[i] += added[i]
         if piece.num_input_tokens is not None:
             self.num_input = piece.num_input_tokens
         for i, count in enumerate(piece.num_output_tokens[:len(self.num_output)]):
             self.num_output[i] += count  # the backend counts each response's own tokens
+        return added
 
 
 def _logprobs(req: BackendRequest, tokens: list[Position], offset: int = 0) -> dict[str, Any] | None:
@@ -166,10 +170,10 @@ class _StreamLogprobs:
         self.req = req
         self.offsets = [len(req.echo or "")] * req.choices
 
-    def of(self, piece: Piece, i: int) -> dict[str, Any] | None:
+    def of(self, tokens: list[Position], i: int) -> dict[str, Any] | None:
+        """Choice I's log probabilities for TOKENS, this chunk's."""
         if self.req.logprobs is None:
             return None
-        tokens = positions(piece.logprobs[i]) if i < len(piece.logprobs) else []
         if self.req.chat:
             return chat_logprobs(tokens, self.req.logprobs)
         out, self.offsets[i] = completion_logprobs(tokens, self.req.logprobs, self.offsets[i])
@@ -199,7 +203,7 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
                     break
             piece = pieces.pop()
             before, finished = list(acc.num_output), list(acc.reasons)
-            acc.add(piece)
+            added = acc.add(piece)
             choices = []
             for i in range(req.choices):
                 text = piece.texts[i] if i < len(piece.texts) else ""
@@ -214,7 +218,7 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
                     text, unechoed[i] = unechoed[i] + text, None
                 if text or reason or grew:
                     choices.append(_choice(req, i, text if text or not req.chat else None, reason,
-                                           logprobs=logprobs.of(piece, i)))
+                                           logprobs=logprobs.of(added[i], i)))
             if choices:
                 yield head + _encode(choices).encode() + tail
     except ApiError as exc:

@@ -81,15 +81,19 @@ def backend_flags(req: BackendRequest) -> tuple[str, ...]:
     return (*BACKEND_FLAGS, "return_logprobs") if req.logprobs is not None else BACKEND_FLAGS
 
 
+def prompt_input(req: BackendRequest) -> tuple[str, str | list[int]]:
+    """The backend input that carries the request's prompt, and its value."""
+    if req.prompt_token_ids is not None:
+        return "prompt_token_ids", req.prompt_token_ids
+    if req.text_input is not None:
+        return "text_input", req.text_input
+    return "messages", json.dumps(req.messages)
+
+
 def socket_request(req: BackendRequest, request_id: str) -> bytes:
     """The engine socket's request line for one backend request."""
-    inputs: dict[str, Any]
-    if req.prompt_token_ids is not None:
-        inputs = {"prompt_token_ids": req.prompt_token_ids}
-    elif req.text_input is not None:
-        inputs = {"text_input": req.text_input}
-    else:
-        inputs = {"messages": json.dumps(req.messages)}
+    name, value = prompt_input(req)
+    inputs: dict[str, Any] = {name: value}
     inputs["sampling_parameters"] = json.dumps(req.sampling)
     inputs["stream"] = req.stream
     inputs.update(dict.fromkeys(backend_flags(req), True))
@@ -98,7 +102,8 @@ def socket_request(req: BackendRequest, request_id: str) -> bytes:
 
 
 def socket_piece(outputs: dict[str, list[Any]], final: bool) -> Piece:
-    """One engine socket line's outputs -> Piece."""
+    """One response's outputs by name (an engine socket line's, or a decoded
+    ModelInferResponse's) -> Piece."""
     inputs = outputs.get("num_input_tokens")
     return Piece(texts=outputs.get("text_output", []), finish_reasons=outputs.get("finish_reason", []),
                  num_input_tokens=inputs[0] if inputs else None,
@@ -118,13 +123,11 @@ def build_request(req: BackendRequest, request_id: str) -> Any:
     # something (llmhost.backend.outputs): fewer tensors per token for the stub.
     msg.parameters["sparse_outputs"].bool_param = True
     tensors: list[tuple[str, str, bytes, int]] = []
-    if req.prompt_token_ids is not None:
-        ids = req.prompt_token_ids
-        tensors.append(("prompt_token_ids", "INT64", struct.pack(f"<{len(ids)}q", *ids), len(ids)))
+    name, value = prompt_input(req)
+    if isinstance(value, list):
+        tensors.append((name, "INT64", struct.pack(f"<{len(value)}q", *value), len(value)))
     else:
-        text = req.text_input if req.text_input is not None else json.dumps(req.messages)
-        tensors.append(("text_input" if req.text_input is not None else "messages", "BYTES",
-                        _bytes_tensor([text.encode("utf-8", "surrogatepass")]), 1))
+        tensors.append((name, "BYTES", _bytes_tensor([value.encode("utf-8", "surrogatepass")]), 1))
     tensors.append(("sampling_parameters", "BYTES", _bytes_tensor([json.dumps(req.sampling).encode()]), 1))
     for name, flag in (("stream", req.stream), *((f, True) for f in backend_flags(req))):
         tensors.append((name, "BOOL", b"\x01" if flag else b"\x00", 1))
@@ -173,12 +176,7 @@ def is_final(resp: Any) -> bool:
 
 def parse_response(resp: Any) -> Piece:
     """A ModelInferResponse -> Piece (outputs absent from it stay empty)."""
-    values = decode_outputs(resp)
-    inputs = values.get("num_input_tokens")
-    return Piece(texts=values.get("text_output", []), finish_reasons=values.get("finish_reason", []),
-                 num_input_tokens=inputs[0] if inputs else None,
-                 num_output_tokens=values.get("num_output_tokens", []), final=is_final(resp),
-                 logprobs=values.get("logprobs", []))
+    return socket_piece(decode_outputs(resp), is_final(resp))
 
 
 class UpstreamDown(ApiError):
