@@ -44,8 +44,12 @@ test-e2e: setup
 # e2e (real tritonserver + vLLM) and system (a booted Debian 12 host provisioned
 # with site.yml). Debian packages it needs: prometheus (monitoring-deps);
 # systemd-container and debootstrap (installed by tests/harness/rootfs.py).
+# Two workers (pytest-xdist): one takes the system tests, collected first as one group,
+# the other every other module (tests/conftest.py); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: setup monitoring-deps lint
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible" $(VENV)/bin/pytest --durations=40 tests
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible" $(VENV)/bin/pytest \
+	  -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=40 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

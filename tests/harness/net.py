@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -13,15 +14,30 @@ _GIVEN: set[int] = set()
 _LOCK = threading.Lock()
 
 
+def _worker_share() -> tuple[int, int]:
+    """(index, count) of this pytest-xdist worker, (0, 1) outside xdist. Each worker
+    takes only the ports with (port // 2) % count == index, so that two workers never
+    hand out the same port (the kernel may offer a port again once it is closed).
+    Halved first: Linux's bind() to port 0 prefers odd ports, leaving even ones to connect()."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count <= 1:
+        return 0, 1
+    return int(worker[2:]) % count, count
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now and that this process
-    has not handed out before."""
-    for _ in range(200):
+    """A TCP port on 127.0.0.1 that nothing listens on right now, that this process has
+    not handed out before and that belongs to this test worker's share."""
+    index, count = _worker_share()
+    for _ in range(200 * count):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
+        if (port // 2) % count != index:
+            continue
         with _LOCK:
             if port not in _GIVEN:
                 _GIVEN.add(port)
                 return port
-    raise RuntimeError("no port on 127.0.0.1 that was not handed out already (200 tries)")
+    raise RuntimeError("no port on 127.0.0.1 that was not handed out already (after 200 tries per worker)")
