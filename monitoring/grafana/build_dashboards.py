@@ -378,6 +378,12 @@ def serving() -> db.Dashboard:
            "(Alert: LLMHostGatewayNoHealthyUpstream when all are down).", "none",
            targets((f"min by (instance, upstream) (llmhost_gateway_upstream_up{{{HOST}}})",
                     "{{instance}} {{upstream}}")), [(None, "red"), (1, "green")], max_val=1),
+        ts("Gateway upstreams by state", "Upstreams in service, draining (they said they are stopping) and out "
+           "(failed checks or a request that could not reach them), summed over the gateways; and requests "
+           "sent to an upstream out of service because none was in service for their model (panic mode).",
+           "short",
+           targets((f"sum by (state) (llmhost_gateway_upstream_state{{{HOST}}})", "{{state}}"),
+                   (f"sum(rate(llmhost_gateway_panic_routed_total{{{HOST}}}{RATE}))", "panic-routed req/s"))),
     ]
     # Where a stream's time goes between the engine and the client (docs/performance.md):
     # each engine step should reach the client as its own event.

@@ -69,12 +69,14 @@ def test_only_upstreams_where_the_model_is_ready_are_picked_and_listed():
 
 def test_health_checks_mark_upstreams_down_and_up():
     a = Fake("a", reachable=False)
-    pool = _pool(a, Fake("b"))
+    pool = _pool(a, Fake("b"), healthy_threshold=2)
 
     async def run() -> None:
-        await pool.check()
+        await pool.check()  # at start, the first check decides
         assert [(t, up) for t, up, _ in pool.snapshot()] == [("a:1", False), ("b:1", True)]
         a.reachable = True
+        await pool.check()
+        assert [up for _, up, _ in pool.snapshot()] == [False, True]  # one pass is not enough to come back
         await pool.check()
         assert [up for _, up, _ in pool.snapshot()] == [True, True]
         a.ready = set()  # reachable, but the model is not ready
@@ -82,6 +84,27 @@ def test_health_checks_mark_upstreams_down_and_up():
         assert [up for _, up, _ in pool.snapshot()] == [False, True]
 
     asyncio.run(run())
+
+
+def test_an_upstream_that_stops_answering_is_out_after_the_failures_and_back_after_the_passes():
+    a, b = Fake("a"), Fake("b")
+    pool = _pool(a, b, unhealthy_threshold=3, healthy_threshold=2)
+
+    async def states() -> list[str]:
+        seen = []
+        await pool.check()
+        seen.append(pool.states()[0][1])
+        a.reachable = False
+        for _ in range(3):
+            await pool.check()
+            seen.append(pool.states()[0][1])
+        a.reachable = True
+        for _ in range(2):
+            await pool.check()
+            seen.append(pool.states()[0][1])
+        return seen
+
+    assert asyncio.run(states()) == ["in_service", "in_service", "in_service", "out", "out", "in_service"]
 
 
 def test_a_slow_health_check_times_out_and_marks_down():
@@ -158,20 +181,93 @@ def test_an_unreachable_upstream_is_marked_down_and_the_request_retried_once():
     assert (a.calls, b.calls) == (1, 2)
 
 
-def test_a_draining_upstream_is_taken_out_until_its_health_check_passes():
+def test_a_draining_upstream_is_taken_out_until_its_health_checks_pass():
     a, b = Fake("a", fail="the model is shutting down; retry on another instance"), Fake("b")
-    pool = _pool(a, b)
+    pool = _pool(a, b, healthy_threshold=2)
 
     async def run() -> None:
         async with client(_app(pool)) as c:
             assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from b!"
+            assert pool.states() == [("a:1", "draining"), ("b:1", "in_service")]
             a.fail = None
+            assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from b!"
+            await pool.check()
             assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from b!"
             await pool.check()
             assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from a!"
 
     asyncio.run(run())
-    assert (a.calls, b.calls) == (2, 2)
+    assert (a.calls, b.calls) == (2, 3)
+
+
+def test_a_health_check_late_once_turns_no_request_away():
+    """Every upstream answers one check late (a busy machine): requests still go through,
+    and a lone upstream taken out by late checks is still tried (panic mode)."""
+    class Late(Fake):
+        slow = False
+
+        async def model_ready(self, model: str) -> bool:
+            if self.slow:
+                await asyncio.Event().wait()
+            return await super().model_ready(model)
+
+    a = Late("a")
+    pool = _pool(a, timeout_s=0.01, unhealthy_threshold=1)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            await pool.check()
+            a.slow = True
+            await pool.check()  # late once: with a threshold of 1 it is out
+            assert pool.states() == [("a:1", "out")]
+            r = await c.post("/v1/chat/completions", content=chat())
+            assert r.status_code == 200 and _text(r) == "hello from a!", r.text
+            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["m"]
+            assert pool.panic_routed == 1
+
+    asyncio.run(run())
+
+
+def test_panic_mode_skips_upstreams_known_to_be_unreachable_or_draining():
+    a, b = Fake("a"), Fake("b", fail="the model is shutting down; retry on another instance")
+    pool = _pool(a, b, unhealthy_threshold=1)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            await pool.check()
+            a.reachable = False
+            await pool.check()  # a: out, unreachable; b: in service
+            r = await c.post("/v1/chat/completions", content=chat())  # b says it is stopping
+            assert r.status_code == 503, r.text
+            assert pool.states() == [("a:1", "out"), ("b:1", "draining")]
+            r = await c.post("/v1/chat/completions", content=chat())
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_upstream"
+
+    asyncio.run(run())
+    assert (a.calls, b.calls) == (0, 1)
+    assert pool.panic_routed == 0
+
+
+def test_the_pool_states_and_panic_count_reach_the_metrics():
+    from llmhost.gateway.metrics import GatewayMetrics
+
+    a, b = Fake("a"), Fake("b")
+    pool = _pool(a, b, unhealthy_threshold=1)
+    metrics = GatewayMetrics(["m"])
+    metrics.watch_pool(pool)
+
+    async def run() -> None:
+        await pool.check()
+        b.reachable = False
+        pool.mark_draining(pool.members[0])
+        await pool.check()
+
+    asyncio.run(run())
+    text = metrics.render().decode()
+    assert 'llmhost_gateway_upstream_state{state="draining",upstream="a:1"} 1.0' in text
+    assert 'llmhost_gateway_upstream_state{state="in_service",upstream="a:1"} 0.0' in text
+    assert 'llmhost_gateway_upstream_state{state="out",upstream="b:1"} 1.0' in text
+    assert "llmhost_gateway_panic_routed_total 0.0" in text
 
 
 def test_an_upstream_unloading_the_model_on_stop_is_skipped_like_a_draining_one():

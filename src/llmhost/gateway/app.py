@@ -209,7 +209,8 @@ def make_pool(config: GatewayConfig, upstream: Any = None,
     settings = PoolSettings(max_concurrent=config.max_concurrent_upstream, max_queue=config.max_queue,
                             queue_timeout_s=config.queue_timeout_s, interval_s=config.health_interval_s,
                             timeout_s=config.health_timeout_s,
-                            unhealthy_threshold=config.health_unhealthy_threshold)
+                            unhealthy_threshold=config.health_unhealthy_threshold,
+                            healthy_threshold=config.health_healthy_threshold)
     if upstream is not None:
         members = [(config.upstreams[0], upstream)]
     else:

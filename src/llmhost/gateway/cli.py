@@ -100,8 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout-s", type=_seconds, metavar="S",
                    help=f"timeout of each readiness check (default {d.health_timeout_s:g})")
     p.add_argument("--health-unhealthy-threshold", type=_positive, metavar="N",
-                   help="checks in a row that time out before an upstream is taken out; one that cannot be "
-                        f"reached is out at once (default {d.health_unhealthy_threshold})")
+                   help="failed checks in a row (late or unreachable) before an upstream is taken out "
+                        f"(default {d.health_unhealthy_threshold}); a request that cannot reach it takes it "
+                        "out at once")
+    p.add_argument("--health-healthy-threshold", type=_positive, metavar="N",
+                   help="passed checks in a row before an upstream that was out comes back "
+                        f"(default {d.health_healthy_threshold})")
     p.add_argument("--max-concurrent-upstream", type=_positive, metavar="N",
                    help=f"requests in flight per upstream; more wait (default {d.max_concurrent_upstream})")
     p.add_argument("--max-queue", type=_non_negative, metavar="N",

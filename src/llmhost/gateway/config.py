@@ -19,7 +19,8 @@ unknown key is refused by name. Relative paths are relative to the file's folder
     health:
       interval_s: 2                    # --health-interval-s; ModelReady on every upstream this often
       timeout_s: 2                     # --health-timeout-s; each check's timeout
-      unhealthy_threshold: 3           # --health-unhealthy-threshold; timed-out checks in a row that take it out
+      unhealthy_threshold: 3           # --health-unhealthy-threshold; failed checks in a row that take it out
+      healthy_threshold: 2             # --health-healthy-threshold; passed checks in a row that bring it back
     limits:
       max_concurrent_upstream: 1024    # --max-concurrent-upstream; requests in flight per upstream
       max_queue: 512                   # --max-queue; requests waiting for room (0: none wait)
@@ -95,6 +96,7 @@ class GatewayConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     health_unhealthy_threshold: int = 3
+    health_healthy_threshold: int = 2
     # vLLM's own server admits up to its max_num_seqs (1,024 on a GPU) at once: the
     # gateway's bound must not be the lower one.
     max_concurrent_upstream: int = 1024
@@ -126,7 +128,8 @@ _TOP: dict[str, tuple[str, str]] = {
 _CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "event_loop": EVENT_LOOPS}
 _SECTIONS: dict[str, dict[str, tuple[str, str]]] = {
     "health": {"interval_s": ("health_interval_s", "positive"), "timeout_s": ("health_timeout_s", "positive"),
-               "unhealthy_threshold": ("health_unhealthy_threshold", "positive_int")},
+               "unhealthy_threshold": ("health_unhealthy_threshold", "positive_int"),
+               "healthy_threshold": ("health_healthy_threshold", "positive_int")},
     "limits": {"max_concurrent_upstream": ("max_concurrent_upstream", "positive_int"),
                "max_queue": ("max_queue", "non_negative_int"), "queue_timeout_s": ("queue_timeout_s", "positive")},
     "connections": {"max": ("max_connections", "positive_int"), "header_timeout_s": ("header_timeout_s", "positive"),

@@ -15,8 +15,12 @@
   the backend writing a response to the gateway reading it (wall clocks of one host).
 - ``llmhost_gateway_rate_limited_total{key,limit}``: 429s by key and limit (rpm,
   tpm, max_concurrent).
-- ``llmhost_gateway_upstream_up{upstream}``: 1 while the upstream is reachable, not
+- ``llmhost_gateway_upstream_up{upstream}``: 1 while the upstream is in service, not
   draining, and has at least one served model ready; else 0.
+- ``llmhost_gateway_upstream_state{upstream,state}``: 1 for the upstream's state
+  (``in_service``, ``draining`` or ``out``), 0 for the other two.
+- ``llmhost_gateway_panic_routed_total``: requests sent to an upstream out of service
+  because none was in service for their model (the pool's panic mode).
 - ``llmhost_gateway_upstream_outstanding{upstream}``: requests in flight on it.
 
 Labels only take values the gateway knows: a model that is not served is
@@ -30,10 +34,11 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import Receive, Scope, Send
 
+from llmhost.gateway.pool import STATES
 from llmhost.gateway.record import RequestRecord
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -49,8 +54,8 @@ class _PoolCollector(Collector):
     def __init__(self, pool: Any) -> None:
         self.pool = pool
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        up = GaugeMetricFamily("llmhost_gateway_upstream_up", "1 while the upstream is reachable, not draining "
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        up = GaugeMetricFamily("llmhost_gateway_upstream_up", "1 while the upstream is in service, not draining "
                                "and has a served model ready, else 0", labels=["upstream"])
         outstanding = GaugeMetricFamily("llmhost_gateway_upstream_outstanding", "Requests of the gateway in "
                                         "flight on the upstream", labels=["upstream"])
@@ -59,6 +64,14 @@ class _PoolCollector(Collector):
             outstanding.add_metric([target], float(count))
         yield up
         yield outstanding
+        state = GaugeMetricFamily("llmhost_gateway_upstream_state", "1 for the upstream's state in the pool "
+                                  "(in_service, draining, out), 0 for the others", labels=["upstream", "state"])
+        for target, current in self.pool.states():
+            for name in STATES:
+                state.add_metric([target, name], 1.0 if name == current else 0.0)
+        yield state
+        yield CounterMetricFamily("llmhost_gateway_panic_routed", "Requests sent to an upstream out of service "
+                                  "because none was in service for their model", value=float(self.pool.panic_routed))
 
 
 class GatewayMetrics:
@@ -85,7 +98,8 @@ class GatewayMetrics:
                                     ["key", "limit"], registry=self.registry)
 
     def watch_pool(self, pool: Any) -> None:
-        """Serve the upstream gauges of POOL (anything with ``snapshot()``)."""
+        """Serve the upstream gauges of POOL (anything with ``snapshot()``, ``states()``
+        and ``panic_routed``)."""
         self.registry.register(_PoolCollector(pool))
 
     def engine_line(self, model: str, tokens: int, transit_s: float) -> None:

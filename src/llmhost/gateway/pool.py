@@ -1,20 +1,25 @@
 """The upstream pool: several Triton servers, health-checked, least outstanding first.
 
 - A background check (every ``interval_s``) asks each upstream ``ModelReady`` for every
-  served model (each call with ``timeout_s``): unreachable -> down; otherwise its
-  ready models are what it may be sent. A check that times out (a busy server answers
-  late) takes it out only after ``unhealthy_threshold`` such checks in a row.
-- Per request the pool picks, among upstreams where the model is ready, the one with
-  the fewest requests outstanding. At most ``max_concurrent`` requests are in flight on
-  one upstream; beyond that a request waits in a queue of at most ``max_queue``
-  requests for up to ``queue_timeout_s``, then gets 503 with ``Retry-After``. A full
-  queue, or no upstream where the model is ready, is 503 at once.
-- A call that fails with UNAVAILABLE (unreachable, stream dropped) marks that upstream
-  down; a backend answer that it is shutting down or its engine stopped (upstream.classify,
-  or the engine socket's ``unavailable`` kind) takes it out (draining) until a health
-  check passes again. Either way, when nothing of the answer
-  was produced yet, the request is tried once more on another ready upstream; never
-  after a response went to the client.
+  served model (each call with ``timeout_s``). An upstream in service is taken out after
+  ``unhealthy_threshold`` failed checks in a row (timed out, or unreachable), and one
+  that is out comes back after ``healthy_threshold`` passed checks in a row, so that
+  one late answer from a busy server neither takes it out nor one good answer from a
+  flapping server brings it back. At start, an upstream's first check decides.
+- Per request the pool picks, among upstreams in service where the model is ready, the
+  one with the fewest requests outstanding. When none is in service for the model, it
+  still tries those not known to be draining or unreachable whose last answer had the
+  model ready (a panic mode, as Envoy's panic threshold), rather than refuse every
+  request because the checks are late. At most ``max_concurrent`` requests are in
+  flight on one upstream; beyond that a request waits in a queue of at most
+  ``max_queue`` requests for up to ``queue_timeout_s``, then gets 503 with
+  ``Retry-After``. A full queue, or no upstream to try, is 503 at once.
+- A call that fails with UNAVAILABLE (unreachable, stream dropped) takes that upstream
+  out at once, as unreachable; a backend answer that it is shutting down or its engine
+  stopped (upstream.classify, or the engine socket's ``unavailable`` kind) takes it out
+  as draining. Either way it comes back after ``healthy_threshold`` passed checks, and,
+  when nothing of the answer was produced yet, the request is tried once more on another
+  upstream; never after a response went to the client.
 """
 
 from __future__ import annotations
@@ -38,24 +43,41 @@ class Client(Protocol):
     async def model_ready(self, model: str) -> bool: ...
 
 
+IN_SERVICE, DRAINING, OUT = "in_service", "draining", "out"
+STATES = (IN_SERVICE, DRAINING, OUT)
+
+
 @dataclass
 class Member:
     target: str
     client: Any
     checked: bool = False
-    reachable: bool = False
+    in_service: bool = False  # taken in by its health checks (and not out since)
+    unreachable: bool = False  # its last check or request could not reach it
     draining: bool = False
-    ready: set[str] = field(default_factory=set)
+    ready: set[str] = field(default_factory=set)  # models ready at its last check that answered
     outstanding: int = 0
-    timeouts: int = 0  # health checks in a row that timed out
+    fails: int = 0  # failed health checks in a row
+    passes: int = 0  # passed health checks in a row
 
     def serves(self, model: str) -> bool:
-        return self.reachable and not self.draining and model in self.ready
+        return self.in_service and not self.draining and model in self.ready
+
+    def may_try(self, model: str) -> bool:
+        """Worth a try when nothing is in service: not known to be draining or unreachable,
+        and its last answer had MODEL ready."""
+        return not self.draining and not self.unreachable and model in self.ready
 
     @property
     def up(self) -> bool:
-        """Routable: reachable, not draining, at least one served model ready."""
-        return self.reachable and not self.draining and bool(self.ready)
+        """Routable: in service, not draining, at least one served model ready."""
+        return self.in_service and not self.draining and bool(self.ready)
+
+    @property
+    def state(self) -> str:
+        if self.draining:
+            return DRAINING
+        return IN_SERVICE if self.in_service else OUT
 
 
 @dataclass
@@ -66,6 +88,7 @@ class PoolSettings:
     interval_s: float = 2.0
     timeout_s: float = 2.0
     unhealthy_threshold: int = 3
+    healthy_threshold: int = 2
 
 
 class UpstreamPool:
@@ -77,6 +100,7 @@ class UpstreamPool:
         self.models = list(models)
         self.settings = settings or PoolSettings()
         self.waiting = 0
+        self.panic_routed = 0  # requests sent to an upstream out of service, none being in service
         self._changed = asyncio.Condition()
 
     # --- health -----------------------------------------------------------------
@@ -87,32 +111,40 @@ class UpstreamPool:
 
     async def check_member(self, member: Member) -> None:
         ready: set[str] = set()
-        reachable = True
+        failure = ""
         for model in self.models:
             try:
                 if await self._ready(member, model):
                     ready.add(model)
             except TimeoutError:
-                member.timeouts += 1
-                if member.checked and member.reachable and member.timeouts < self.settings.unhealthy_threshold:
-                    return  # late under load: keep it as it was until the threshold
-                reachable = False
+                failure = "late"
                 break
             except (UpstreamDown, OSError):
-                reachable = False
+                failure = "unreachable"
                 break
             except ApiError:
                 continue
-            except Exception:  # noqa: BLE001 - anything else unexpected: down, and the checks go on
-                reachable = False
+            except Exception:  # noqa: BLE001 - anything else unexpected: a failed check, and the checks go on
+                failure = "unreachable"
                 break
-        if reachable:
-            member.timeouts = 0
-        member.checked, member.reachable = True, reachable
-        member.ready = ready if reachable else set()
-        if reachable and ready:  # the check passed: a draining upstream is back
-            member.draining = False
+        if failure:
+            self._failed(member, unreachable=failure == "unreachable")
+        else:
+            self._passed(member, ready)
+        member.checked = True
         await self._notify()
+
+    def _passed(self, member: Member, ready: set[str]) -> None:
+        member.fails, member.passes = 0, member.passes + 1
+        member.unreachable, member.ready = False, ready
+        if not member.checked or member.passes >= self.settings.healthy_threshold:
+            member.in_service, member.draining = True, False
+
+    def _failed(self, member: Member, unreachable: bool) -> None:
+        member.passes, member.fails = 0, member.fails + 1
+        member.unreachable = member.unreachable or unreachable  # a late answer proves nothing either way
+        if not member.checked or member.fails >= self.settings.unhealthy_threshold:
+            member.in_service = False
 
     async def check(self) -> None:
         """Check every upstream once (concurrently)."""
@@ -130,11 +162,12 @@ class UpstreamPool:
             await asyncio.sleep(self.settings.interval_s)
 
     def mark_down(self, member: Member) -> None:
-        member.reachable = False
-        member.ready = set()
+        """A request could not reach MEMBER: out at once, until its checks pass again."""
+        member.in_service, member.unreachable, member.passes = False, True, 0
 
     def mark_draining(self, member: Member) -> None:
-        member.draining = True
+        """MEMBER said it is stopping: no new requests until its checks pass again."""
+        member.draining, member.passes = True, 0
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -145,7 +178,7 @@ class UpstreamPool:
     async def ready_models(self) -> list[str]:
         """The served models ready on at least one upstream."""
         await self._ensure_checked()
-        return [m for m in self.models if any(member.serves(m) for member in self.members)]
+        return [m for m in self.models if self._candidates(m, set())]
 
     async def model_ready(self, model: str) -> bool:
         return model in await self.ready_models()
@@ -154,11 +187,15 @@ class UpstreamPool:
         """(target, up, outstanding) per upstream, for the metrics."""
         return [(m.target, m.up, m.outstanding) for m in self.members]
 
+    def states(self) -> list[tuple[str, str]]:
+        """(target, state) per upstream: in_service, draining or out."""
+        return [(m.target, m.state) for m in self.members]
+
     async def call(self, model: str, fn: Callable[[Any], Any]) -> Any:
         """FN(client) on the least busy upstream where MODEL is ready (no slot taken:
         for metadata)."""
         await self._ensure_checked()
-        ready = [m for m in self.members if m.serves(model)]
+        ready = self._candidates(model, set())
         if not ready:
             raise self._none_ready(model)
         member = min(ready, key=lambda m: m.outstanding)
@@ -174,9 +211,15 @@ class UpstreamPool:
         return unavailable(f"no healthy upstream serves model '{model}' now; retry shortly", "no_healthy_upstream",
                            self.settings.interval_s)
 
+    def _candidates(self, model: str, exclude: set[str]) -> list[Member]:
+        """The upstreams to send MODEL to, less EXCLUDE: those in service where it is
+        ready or, when none is in service for it, those worth a try (panic mode)."""
+        if any(m.serves(model) for m in self.members):
+            return [m for m in self.members if m.serves(model) and m.target not in exclude]
+        return [m for m in self.members if m.may_try(model) and m.target not in exclude]
+
     def _free(self, model: str, exclude: set[str]) -> Member | None:
-        ready = [m for m in self.members if m.serves(model) and m.target not in exclude
-                 and m.outstanding < self.settings.max_concurrent]
+        ready = [m for m in self._candidates(model, exclude) if m.outstanding < self.settings.max_concurrent]
         return min(ready, key=lambda m: m.outstanding) if ready else None
 
     async def acquire(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> Member:
@@ -185,7 +228,7 @@ class UpstreamPool:
         full, or the wait is over."""
         await self._ensure_checked()
         exclude = set(exclude)
-        if not any(m.serves(model) and m.target not in exclude for m in self.members):
+        if not self._candidates(model, exclude):
             raise self._none_ready(model)
         member = self._free(model, exclude)
         if member is None:
@@ -194,6 +237,8 @@ class UpstreamPool:
                                   "shortly", "queue_full", 1)
             member = await self._wait(model, exclude)
         member.outstanding += 1
+        if not member.in_service:
+            self.panic_routed += 1
         return member
 
     async def _wait(self, model: str, exclude: set[str]) -> Member:
@@ -205,7 +250,7 @@ class UpstreamPool:
                     member = self._free(model, exclude)
                     if member is not None:
                         return member
-                    if not any(m.serves(model) and m.target not in exclude for m in self.members):
+                    if not self._candidates(model, exclude):
                         raise self._none_ready(model)
                     left = deadline - time.monotonic()
                     if left <= 0:
