@@ -112,6 +112,18 @@ def test_keys_without_limits_are_unlimited():
     assert len(leases) == 1000
 
 
+def test_a_key_without_its_own_bound_gets_the_default_one():
+    limiter = KeyLimiter(Clock(), default_max_concurrent=2)
+    free, own = _key(), ApiKey("own", "1" * 64, max_concurrent=3)
+    held = [limiter.admit(free, 0) for _ in range(2)]
+    with pytest.raises(RateLimited) as info:
+        limiter.admit(free, 0)
+    assert info.value.limit == "max_concurrent" and "Limit 2" in info.value.message
+    assert len([limiter.admit(own, 0) for _ in range(3)]) == 3  # a key's own bound wins over the default
+    held[0].finish(None)
+    limiter.admit(free, 0)
+
+
 def test_limits_are_per_key():
     limiter = KeyLimiter(Clock())
     a, b = ApiKey("a", "0" * 64, rpm=1), ApiKey("b", "1" * 64, rpm=1)
@@ -173,10 +185,16 @@ def test_the_app_refunds_tokens_with_the_real_usage():
     asyncio.run(run())
 
 
-def test_the_app_limits_concurrent_streams_of_a_key():
+@pytest.mark.parametrize(("key_limits", "key_max_concurrent"), [({"max_concurrent": 1}, 512), ({}, 1)],
+                         ids=["its own bound", "the gateway's default bound"])
+def test_the_app_limits_concurrent_streams_of_a_key(key_limits, key_max_concurrent):
+    from llmhost.gateway.config import GatewayConfig
+
     fake = Fake()
     fake.gate = asyncio.Event()
-    app = make_app(fake, keystore(max_concurrent=1))
+    config = GatewayConfig(upstreams=["up:1"], models=["m"], max_body_bytes=4096,
+                           key_max_concurrent=key_max_concurrent)
+    app = make_app(fake, keystore(**key_limits), config=config)
 
     async def run() -> None:
         async with client(app) as c:
@@ -186,11 +204,18 @@ def test_the_app_limits_concurrent_streams_of_a_key():
             r = await c.post("/v1/chat/completions", content=chat())
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "rate_limit_exceeded"
+            assert "concurrent requests: Limit 1" in r.json()["error"]["message"]
             fake.gate.set()
             assert (await first).status_code == 200
             assert (await c.post("/v1/chat/completions", content=chat())).status_code == 200
 
     asyncio.run(run())
+
+
+def test_the_default_per_key_bound_is_512():
+    from llmhost.gateway.config import GatewayConfig
+
+    assert GatewayConfig().key_max_concurrent == 512
 
 
 def test_the_up_front_charge_counts_the_prompt_too():

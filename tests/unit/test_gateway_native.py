@@ -203,6 +203,18 @@ def test_malformed_native_input_is_a_400_without_a_traceback(body: bytes):
     assert "Traceback" not in r.text and "File " not in r.text
 
 
+@pytest.mark.parametrize("body", [
+    {"text_input": "x", "triton_enable_empty_final_response": False},
+    {"text_input": "x", "parameters": {"triton_enable_empty_final_response": False}},
+    {"text_input": "x", "parameters": {"triton_priority": 1}},
+])
+def test_a_client_cannot_set_tritons_own_parameters(body):
+    fake = Fake()
+    r = _run(make_app(fake), "POST", "/v2/models/m/generate", json=body)
+    assert r.status_code == 400 and "set by the gateway" in r.json()["error"], r.text
+    assert fake.calls == 0
+
+
 def test_native_requests_take_the_keys_rate_limits():
     app = make_app(Fake(), keystore(rpm=1))
     assert _run(app, "POST", "/v2/models/m/generate", json={"text_input": "x"}).status_code == 200

@@ -108,7 +108,7 @@ class Gateway:
         self.config = config
         self.keys = keys
         self.pool = pool
-        self.limiter = limiter or KeyLimiter()
+        self.limiter = limiter or KeyLimiter(default_max_concurrent=config.key_max_concurrent or None)
 
     def auth(self, request: Request) -> ApiKey:
         key = self.keys.authenticate(request.headers.get("authorization"))

@@ -1,7 +1,9 @@
 """`llmhost gateway`: run the gateway, or `llmhost gateway hash-key` to hash a key.
 
 Settings come from flags and/or ``--config PATH`` (YAML, see ``config``); a flag
-given wins over the file. Exit 2 names the flag, key or file that is wrong.
+given wins over the file. Exit 2 names the flag, key or file that is wrong. SIGHUP
+loads the TLS certificate and key again (new connections get them; a pair that does
+not load leaves the old one serving), so a renewed certificate needs no restart.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
 import ssl
 import sys
 from collections.abc import Coroutine, Iterator
@@ -110,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"requests in flight per upstream; more wait (default {d.max_concurrent_upstream})")
     p.add_argument("--max-queue", type=_non_negative, metavar="N",
                    help=f"requests that may wait for room; more get 503 (default {d.max_queue})")
+    p.add_argument("--key-max-concurrent", type=_non_negative, metavar="N",
+                   help="requests in flight per key that sets no max_concurrent of its own; more get 429 "
+                        f"(default {d.key_max_concurrent}; 0: no bound)")
     p.add_argument("--queue-timeout-s", type=_seconds, metavar="S",
                    help=f"longest wait for room, then 503 (default {d.queue_timeout_s:g})")
     p.add_argument("--max-connections", type=_positive, metavar="N",
@@ -228,6 +234,20 @@ def check_tls(config: GatewayConfig) -> None:
                           f"certificate and key ({exc})") from None
 
 
+def reload_tls(context: ssl.SSLContext, config: GatewayConfig) -> bool:
+    """The certificate and key files loaded again into the serving CONTEXT: connections
+    from now on get them. A pair that does not load leaves CONTEXT as it was. Says on
+    stderr what happened."""
+    try:
+        check_tls(config)
+        context.load_cert_chain(config.tls_cert, config.tls_key)  # type: ignore[arg-type]
+    except (ConfigError, ssl.SSLError, OSError) as exc:
+        print(f"llmhost gateway: SIGHUP: kept the certificate in use: {exc}", file=sys.stderr, flush=True)
+        return False
+    print(f"llmhost gateway: SIGHUP: certificate reloaded from {config.tls_cert}", file=sys.stderr, flush=True)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "hash-key":
@@ -305,6 +325,9 @@ async def _serve(app: Any, metrics: Any, config: GatewayConfig) -> None:
             yield
 
     api_config, side_config = uvicorn_configs(app, metrics_app(metrics), config)
+    api_config.load()  # now, so that its SSL context exists for SIGHUP
+    if api_config.ssl is not None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_tls, api_config.ssl, config)
     api, beside = uvicorn.Server(api_config), _Beside(side_config)
     pool = app.state.gateway.pool
     health = asyncio.ensure_future(pool.run_health_checks())

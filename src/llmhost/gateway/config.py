@@ -25,6 +25,7 @@ unknown key is refused by name. Relative paths are relative to the file's folder
       max_concurrent_upstream: 1024    # --max-concurrent-upstream; requests in flight per upstream
       max_queue: 512                   # --max-queue; requests waiting for room (0: none wait)
       queue_timeout_s: 30              # --queue-timeout-s; then 503 with Retry-After
+      key_max_concurrent: 512          # --key-max-concurrent; in flight per key without its own (0: no bound)
     connections:
       max: 4096                        # --max-connections; more are closed at once
       header_timeout_s: 10             # --header-timeout-s; a request head must arrive whole in this long
@@ -102,6 +103,9 @@ class GatewayConfig:
     max_concurrent_upstream: int = 1024
     max_queue: int = 512
     queue_timeout_s: float = 30.0
+    # Requests in flight of one key that sets no max_concurrent of its own (0: no bound),
+    # so that one key cannot hold every upstream slot.
+    key_max_concurrent: int = 512
     tls_cert: Path | None = None
     tls_key: Path | None = None
     # Plain HTTP (no TLS) on an address other than loopback: refused unless this is set.
@@ -131,7 +135,8 @@ _SECTIONS: dict[str, dict[str, tuple[str, str]]] = {
                "unhealthy_threshold": ("health_unhealthy_threshold", "positive_int"),
                "healthy_threshold": ("health_healthy_threshold", "positive_int")},
     "limits": {"max_concurrent_upstream": ("max_concurrent_upstream", "positive_int"),
-               "max_queue": ("max_queue", "non_negative_int"), "queue_timeout_s": ("queue_timeout_s", "positive")},
+               "max_queue": ("max_queue", "non_negative_int"), "queue_timeout_s": ("queue_timeout_s", "positive"),
+               "key_max_concurrent": ("key_max_concurrent", "non_negative_int")},
     "connections": {"max": ("max_connections", "positive_int"), "header_timeout_s": ("header_timeout_s", "positive"),
                     "body_timeout_s": ("body_timeout_s", "positive"), "idle_timeout_s": ("idle_timeout_s", "positive")},
     "tls": {"cert": ("tls_cert", "path"), "key": ("tls_key", "path")},

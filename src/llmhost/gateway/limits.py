@@ -75,10 +75,10 @@ class Lease:
 
 
 class _KeyState:
-    def __init__(self, key: ApiKey, clock: Clock) -> None:
+    def __init__(self, key: ApiKey, clock: Clock, default_max_concurrent: int | None) -> None:
         self.rpm = TokenBucket(key.rpm, clock=clock) if key.rpm else None
         self.tpm = TokenBucket(key.tpm, clock=clock) if key.tpm else None
-        self.max_concurrent = key.max_concurrent
+        self.max_concurrent = key.max_concurrent if key.max_concurrent is not None else default_max_concurrent
         self.in_flight = 0
 
 
@@ -92,16 +92,18 @@ class RateLimited(ApiError):
 
 
 class KeyLimiter:
-    """The limits of every key, by key name (state lives as long as the process)."""
+    """The limits of every key, by key name (state lives as long as the process). A key
+    without a max_concurrent of its own gets DEFAULT_MAX_CONCURRENT (None: no bound)."""
 
-    def __init__(self, clock: Clock = time.monotonic) -> None:
+    def __init__(self, clock: Clock = time.monotonic, default_max_concurrent: int | None = None) -> None:
         self.clock = clock
+        self.default_max_concurrent = default_max_concurrent
         self._keys: dict[str, _KeyState] = {}
 
     def _state(self, key: ApiKey) -> _KeyState:
         state = self._keys.get(key.name)
         if state is None:
-            state = self._keys[key.name] = _KeyState(key, self.clock)
+            state = self._keys[key.name] = _KeyState(key, self.clock, self.default_max_concurrent)
         return state
 
     def admit(self, key: ApiKey, estimated_tokens: int) -> Lease:

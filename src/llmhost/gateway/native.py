@@ -15,6 +15,9 @@ limits and over the same gRPC upstream pool (never Triton's HTTP port):
   upstream), ``/v2/models/{m}`` (metadata), ``/v2/models/{m}/ready``: 200, or 400 when
   not ready, as Triton answers.
 
+Request parameters named ``triton_...`` are Triton's own and the gateway sets those it
+needs (``triton_enable_empty_final_response``): a body naming one is a 400.
+
 Errors are Triton's ``{"error": "..."}`` with the gateway's statuses (401, 404, 413,
 429, 503 and the backend's 400). Any other ``/v2`` path (repository, load/unload,
 statistics, trace, logging, shared memory, config) is 404.
@@ -52,6 +55,8 @@ BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "ret
 # Asked of the backend always (for usage and limits), returned only when the client asked.
 _COUNTS = ("return_num_input_tokens", "return_num_output_tokens")
 DEFAULT_MAX_TOKENS = 512
+# Triton's own request parameters (the gateway sets triton_enable_empty_final_response).
+RESERVED_PREFIX = "triton_"
 
 
 def _bytes(value: str) -> bytes:
@@ -116,6 +121,9 @@ class NativeRequest:
             else:
                 self.params[name] = value
         self.params.update(nested or {})
+        owned = sorted(name for name in self.params if name.startswith(RESERVED_PREFIX))
+        if owned:
+            raise invalid(f"parameter '{owned[0]}' is Triton's own, set by the gateway; leave it out", owned[0])
         self.params = {name: _parameter(name, value) for name, value in self.params.items()}
         self.asked_counts = {n for n in _COUNTS if self.inputs.get(n) is True or self.params.get(n) is True}
         self._cap(key.max_tokens)

@@ -1,0 +1,75 @@
+"""A renewed certificate without a restart: the real gateway process, given SIGHUP,
+serves new connections with the certificate now in its files, and keeps the one in
+use when the files do not hold a matching pair."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import ssl
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from llmhost.gateway.keys import hash_key
+from tests.harness.gateway import KEY, start_gateway, stop_gateway
+from tests.harness.net import free_port
+from tests.unit._gateway_fakes import self_signed
+
+
+def _served_certificate(port: int) -> str:
+    return ssl.get_server_certificate(("127.0.0.1", port), timeout=10)
+
+
+def _pem(path: Path) -> str:
+    return ssl.DER_cert_to_PEM_cert(ssl.PEM_cert_to_DER_cert(path.read_text()))
+
+
+def _wait_for_line(log: Path, line: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while line not in log.read_text():
+        assert time.monotonic() < deadline, f"not in the log within {timeout_s:.0f} s: {line}\n{log.read_text()}"
+        time.sleep(0.2)
+
+
+def test_sighup_reloads_the_certificate_and_a_bad_pair_keeps_the_old_one(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "live").mkdir()
+    cert_a, key_a = self_signed(tmp_path / "a")
+    cert_b, key_b = self_signed(tmp_path / "b")
+    cert, key = tmp_path / "live" / "gateway.crt", tmp_path / "live" / "gateway.key"
+    shutil.copy(cert_a, cert)
+    shutil.copy(key_a, key)
+    keys = tmp_path / "keys.yml"
+    keys.write_text(f"keys:\n  - name: tester\n    sha256: {hash_key(KEY)}\n")
+    port = free_port()
+    url = f"https://127.0.0.1:{port}/v1"
+    log = tmp_path / "gateway.log"
+    cmd = [str(Path(sys.executable).parent / "llmhost"), "gateway", "--upstream", f"127.0.0.1:{free_port()}",
+           "--model", "m", "--listen", f"127.0.0.1:{port}", "--keys-file", str(keys),
+           "--metrics-listen", f"127.0.0.1:{free_port()}", "--tls-cert", str(cert), "--tls-key", str(key)]
+    proc = start_gateway(cmd, log, url, verify=ssl.create_default_context(cafile=str(cert_a)))
+    try:
+        assert _served_certificate(port) == _pem(cert_a)
+
+        shutil.copy(cert_b, cert)
+        shutil.copy(key_b, key)
+        proc.send_signal(signal.SIGHUP)
+        _wait_for_line(log, f"certificate reloaded from {cert}")
+        assert _served_certificate(port) == _pem(cert_b)
+        trust_b = ssl.create_default_context(cafile=str(cert_b))
+        r = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, verify=trust_b, timeout=10)
+        assert r.status_code == 200, r.text
+
+        shutil.copy(key_a, key)  # B's certificate with A's key: not a pair
+        proc.send_signal(signal.SIGHUP)
+        _wait_for_line(log, "kept the certificate in use")
+        assert _served_certificate(port) == _pem(cert_b)
+        r = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, verify=trust_b, timeout=10)
+        assert r.status_code == 200, r.text
+        assert proc.poll() is None
+    finally:
+        stop_gateway(proc, log)
