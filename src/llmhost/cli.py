@@ -50,8 +50,19 @@ def _write_tiny(command: str, out: Path, seed: int) -> int:
     return 0
 
 
+def installed_version() -> str:
+    """The installed llmhost distribution's version (pyproject.toml's, the CHANGELOG's top release)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llmhost")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmhost", description="Serve LLMs with Triton + vLLM on bare metal.")
+    p.add_argument("--version", action="version", version=f"llmhost {installed_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("tiny-model", help="write a tiny random Qwen2-style model (no downloads)")

@@ -14,10 +14,7 @@ import json
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from llmhost.backend.lora import Adapter
+from typing import Any
 
 SETTINGS_KEY = "llmhost"
 MODEL_JSON = "model.json"
@@ -25,6 +22,16 @@ MODEL_JSON = "model.json"
 
 class ConfigError(ValueError):
     """model.json is missing, unreadable or holds a bad value."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter of multi_lora.json (llmhost.backend.lora): its name, vLLM's integer
+    id for it, and its directory."""
+
+    name: str
+    int_id: int
+    path: str
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from llmhost.backend.config import ConfigError, ModelConfig
+from llmhost.backend.config import Adapter, ConfigError, ModelConfig
 from llmhost.backend.errors import RequestError, shown
 
 MULTI_LORA_JSON = "multi_lora.json"
@@ -32,13 +32,6 @@ NOT_ENABLED = "LoRA feature is not enabled."
 DEFAULT_MAX_LORA_RANK = 16
 MAX_NAME_CHARS = 256
 _NAME = re.compile(r"[^\x00-\x1f\x7f]+")
-
-
-@dataclass(frozen=True)
-class Adapter:
-    name: str
-    int_id: int
-    path: str
 
 
 def lora_enabled(engine_args: dict[str, Any]) -> bool:

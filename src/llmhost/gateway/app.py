@@ -21,13 +21,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from llmhost.gateway.access import Access
 from llmhost.gateway.batch import merged, split
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.errors import ApiError, model_not_found
 from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
-from llmhost.gateway.keys import ApiKey, KeyStore
-from llmhost.gateway.limits import KeyLimiter, RateLimited
+from llmhost.gateway.keys import KeyStore
+from llmhost.gateway.limits import KeyLimiter
 from llmhost.gateway.mapping import BackendRequest, parse_body, to_backend
+from llmhost.gateway.native import NativeApi
 from llmhost.gateway.pool import PoolSettings, UpstreamPool
 from llmhost.gateway.record import Observer, RequestMiddleware, RequestRecord, record_of
 from llmhost.gateway.responses import Accumulator, completion_body, new_id, stream_chunks
@@ -102,36 +104,8 @@ def _estimate(req: BackendRequest) -> int:
     return _prompt_estimate(req) + (max_tokens if isinstance(max_tokens, int) else DEFAULT_MAX_TOKENS) * req.choices
 
 
-class Gateway:
-    def __init__(self, config: GatewayConfig, keys: KeyStore, pool: UpstreamPool,
-                 limiter: KeyLimiter | None = None) -> None:
-        self.config = config
-        self.keys = keys
-        self.pool = pool
-        self.limiter = limiter or KeyLimiter(default_max_concurrent=config.key_max_concurrent or None)
-
-    def auth(self, request: Request) -> ApiKey:
-        key = self.keys.authenticate(request.headers.get("authorization"))
-        record_of(request.scope).key = key.name
-        return key
-
-    def admit(self, request: Request, key: ApiKey, estimated_tokens: int) -> None:
-        """Take the key's limits for this request (429 over one); given back when it ends."""
-        rec = record_of(request.scope)
-        try:
-            lease = self.limiter.admit(key, estimated_tokens)
-        except RateLimited as exc:
-            rec.limited = exc.limit
-            raise
-        rec.cleanups.append(lambda r: lease.finish(r.used_tokens))
-
-    def note_upstream(self, request: Request) -> Any:
-        rec = record_of(request.scope)
-
-        def note(target: str) -> None:
-            rec.upstream = target
-
-        return note
+class Gateway(Access):
+    """The OpenAI door: /v1/models, /v1/chat/completions and /v1/completions."""
 
     async def models(self, request: Request) -> Response:
         try:
@@ -224,8 +198,6 @@ def create_app(config: GatewayConfig, keys: KeyStore, upstream: Any = None, metr
     """The gateway's ASGI app. UPSTREAM: an UpstreamPool, one upstream client (tests),
     or None for CONFIG's upstreams. METRICS (a GatewayMetrics) and ACCESS_LOG observe
     every finished request."""
-    from llmhost.gateway.native import NativeApi
-
     pool = make_pool(config, upstream, metrics.engine_line if metrics is not None else None)
     gw = Gateway(config, keys, pool, limiter)
     native = NativeApi(gw)

@@ -37,6 +37,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from tritonclient.grpc import service_pb2
 
+from llmhost.gateway.access import Access
 from llmhost.gateway.errors import ApiError, invalid
 from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
 from llmhost.gateway.record import RequestRecord, record_of
@@ -44,7 +45,6 @@ from llmhost.gateway.responses import sse
 from llmhost.numbers import integer
 
 if TYPE_CHECKING:
-    from llmhost.gateway.app import Gateway
     from llmhost.gateway.keys import ApiKey
 
 STRING_INPUTS = ("text_input", "messages", "sampling_parameters")
@@ -235,7 +235,7 @@ class _Counter:
 
 
 class NativeApi:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Access) -> None:
         self.gw = gateway
 
     def routes(self) -> list[Route]:
