@@ -49,7 +49,7 @@ test-e2e: setup
 TEST_WORKERS ?= 2
 test: setup monitoring-deps lint
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible" $(VENV)/bin/pytest \
-	  -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=40 tests
+	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=40 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
