@@ -20,6 +20,7 @@ from tests.ansible.test_preflight import assert_fails_naming, preflight
 KEY = "k" * 12 + "-secret-demo-key"  # 28 characters
 SHORT = "short-key-123"  # 13 characters
 SHA = hashlib.sha256(b"another key of 16+ chars").hexdigest()
+SHA2 = hashlib.sha256(b"the operators key, 16+ chars").hexdigest()
 
 
 def keys(*entries: dict[str, Any]) -> dict[str, Any]:
@@ -72,6 +73,7 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("plaintext not a boolean", {**keys({"name": "a", "key": KEY}), "gateway_allow_plaintext": "maybe"},
      ("gateway_allow_plaintext", "maybe")),
     ("models not a list", keys({"name": "a", "key": KEY, "models": "tiny"}), ("gateway_api_keys[0] (a)", "models")),
+    ("admin not a boolean", keys({"name": "a", "key": KEY, "admin": "yes"}), ("gateway_api_keys[0] (a)", "admin")),
     ("unknown model", {**keys({"name": "a", "key": KEY}), "gateway_models": ["llama"]}, ("gateway_models", "llama")),
     ("bad upstream", {**keys({"name": "a", "key": KEY}), "gateway_upstreams": ["localhost"]}, ("gateway_upstreams",)),
 ]
@@ -113,14 +115,16 @@ def _render(tmp_path: Path, extra: dict[str, Any]) -> PlaybookRun:
 
 def test_keys_file_holds_hashes_and_limits_only(tmp_path: Path) -> None:
     run = _render(tmp_path, {**keys({"name": "alice", "key": KEY, "max_tokens": 256, "rpm": 60},
-                                    {"name": "bob", "sha256": SHA.upper(), "max_concurrent": 2, "models": ["tiny"]}),
+                                    {"name": "bob", "sha256": SHA.upper(), "max_concurrent": 2, "models": ["tiny"]},
+                                    {"name": "ops", "sha256": SHA2, "admin": True}),
                              "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
     assert run.rc == 0, run.output
     text = (tmp_path / "keys.json").read_text()
     assert KEY not in text and KEY not in run.output
     assert json.loads(text) == {"keys": [
         {"name": "alice", "sha256": hashlib.sha256(KEY.encode()).hexdigest(), "max_tokens": 256, "rpm": 60},
-        {"name": "bob", "sha256": SHA, "max_concurrent": 2, "models": ["tiny"]}]}
+        {"name": "bob", "sha256": SHA, "max_concurrent": 2, "models": ["tiny"]},
+        {"name": "ops", "sha256": SHA2, "admin": True}]}
 
 
 def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> None:

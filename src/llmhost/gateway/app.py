@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from llmhost.gateway.access import Access
+from llmhost.gateway.admin import AdminApi
 from llmhost.gateway.batch import merged, split
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.errors import ApiError, model_not_found
@@ -225,6 +226,7 @@ def create_app(config: GatewayConfig, keys: KeyStore, upstream: Any = None, metr
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),
         *native.routes(),
+        *AdminApi(gw).routes(),
     ]
     app = Starlette(routes=routes, exception_handlers={404: on_missing, 405: on_missing, Exception: on_error},
                     middleware=[Middleware(RequestMiddleware, observers=observers)])

@@ -49,6 +49,7 @@ class ApiKey:
     tpm: int | None = None
     max_concurrent: int | None = None
     models: frozenset[str] | None = None  # None: every served model
+    admin: bool = False  # may use /admin: hold an upstream out of the pool and return it
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -63,10 +64,10 @@ def _entry(i: int, raw: Any) -> ApiKey:
     where = f"keys[{i}]"
     if not isinstance(raw, dict):
         raise KeysError(f"{where} must be a mapping with 'name' and 'sha256'")
-    extra = sorted(set(raw) - {"name", "sha256", "models", *_LIMITS})
+    extra = sorted(set(raw) - {"name", "sha256", "models", "admin", *_LIMITS})
     if extra:
         raise KeysError(f"{where} has unknown field(s) {extra}; allowed: name, sha256, {', '.join(_LIMITS)}, "
-                        "models")
+                        "models, admin")
     name, digest = raw.get("name"), raw.get("sha256")
     if not isinstance(name, str) or not _NAME.match(name):
         raise KeysError(f"{where}.name must be 1-64 letters, digits or _.@- (got {type(name).__name__})")
@@ -82,7 +83,11 @@ def _entry(i: int, raw: Any) -> ApiKey:
     if models is not None and (not isinstance(models, list) or not models
                                or not all(isinstance(m, str) and m for m in models)):
         raise KeysError(f"{where}.models must be a non-empty list of model names")
-    return ApiKey(name, digest.lower(), **limits, models=frozenset(models) if models is not None else None)
+    admin = raw.get("admin", False)
+    if not isinstance(admin, bool):
+        raise KeysError(f"{where}.admin must be true or false")
+    return ApiKey(name, digest.lower(), **limits, models=frozenset(models) if models is not None else None,
+                  admin=admin)
 
 
 def parse_keys(text: str, source: str = "keys file") -> list[ApiKey]:

@@ -14,6 +14,9 @@
   flight on one upstream; beyond that a request waits in a queue of at most
   ``max_queue`` requests for up to ``queue_timeout_s``, then gets 503 with
   ``Retry-After``. A full queue, or no upstream to try, is 503 at once.
+- An operator may hold an upstream out (``hold``: the admin API), for example while it
+  is changed: no new requests go to it, those in flight finish, and it counts as
+  draining until it is returned.
 - A call that fails with UNAVAILABLE (unreachable, stream dropped) takes that upstream
   out at once, as unreachable; a backend answer that it is shutting down or its engine
   stopped (upstream.classify, or the engine socket's ``unavailable`` kind) takes it out
@@ -55,27 +58,28 @@ class Member:
     in_service: bool = False  # taken in by its health checks (and not out since)
     unreachable: bool = False  # its last check or request could not reach it
     draining: bool = False
+    held: bool = False  # held out by an operator (the admin API) until returned
     ready: set[str] = field(default_factory=set)  # models ready at its last check that answered
     outstanding: int = 0
     fails: int = 0  # failed health checks in a row
     passes: int = 0  # passed health checks in a row
 
     def serves(self, model: str) -> bool:
-        return self.in_service and not self.draining and model in self.ready
+        return self.in_service and not self.draining and not self.held and model in self.ready
 
     def may_try(self, model: str) -> bool:
         """Worth a try when nothing is in service: not known to be draining or unreachable,
         and its last answer had MODEL ready."""
-        return not self.draining and not self.unreachable and model in self.ready
+        return not self.draining and not self.held and not self.unreachable and model in self.ready
 
     @property
     def up(self) -> bool:
-        """Routable: in service, not draining, at least one served model ready."""
-        return self.in_service and not self.draining and bool(self.ready)
+        """Routable: in service, not draining or held, at least one served model ready."""
+        return self.in_service and not self.draining and not self.held and bool(self.ready)
 
     @property
     def state(self) -> str:
-        if self.draining:
+        if self.draining or self.held:
             return DRAINING
         return IN_SERVICE if self.in_service else OUT
 
@@ -164,6 +168,15 @@ class UpstreamPool:
     def mark_down(self, member: Member) -> None:
         """A request could not reach MEMBER: out at once, until its checks pass again."""
         member.in_service, member.unreachable, member.passes = False, True, 0
+
+    def member(self, target: str) -> Member | None:
+        return next((m for m in self.members if m.target == target), None)
+
+    async def hold(self, member: Member, held: bool) -> None:
+        """Hold MEMBER out of the pool (no new requests; those in flight go on) or return it;
+        a returned member serves again as soon as its checks say it is in service."""
+        member.held = held
+        await self._notify()
 
     def mark_draining(self, member: Member) -> None:
         """MEMBER said it is stopping: no new requests until its checks pass again."""
