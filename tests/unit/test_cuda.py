@@ -40,10 +40,12 @@ H100 = FIX / "h100-580.159.04-real"
 MATRIX_FILE = ROOT / "src" / "llmhost" / "data" / "cuda_matrix.json"
 
 # The vLLM releases of the matrix and the pins each one's wheel metadata gives
-# (Requires-Dist torch==, torchvision==, torchaudio==); the default stays 0.32.0,
+# (Requires-Dist torch==, torchvision==, torchaudio==); the default stays 0.32.0 (0.33.0,
+# torch 2.14, is selectable: no GPU here runs torch 2.14 to prove it as the default),
 # 0.20.2 is the release that runs on torch 2.11 (the lent GPU machine's image).
 DEFAULT_VLLM = "0.32.0"
 RELEASES = {
+    "0.33.0": {"torch": "2.14.0", "torchvision": "0.29.0", "torchaudio": "2.11.0"},
     "0.32.0": {"torch": "2.13.0", "torchvision": "0.28.0", "torchaudio": "2.11.0"},
     "0.20.2": {"torch": "2.11.0", "torchvision": "0.26.0", "torchaudio": "2.11.0"},
 }
@@ -301,7 +303,7 @@ def test_unknown_release_names_the_releases_the_matrix_has(matrix: cuda.Matrix, 
     """Only exact releases of the matrix are selectable; the error lists them."""
     with pytest.raises(MatrixError) as exc:
         matrix.release(vllm)
-    assert str(exc.value) == f"the CUDA matrix has no vLLM {vllm} (it has: 0.20.2, 0.32.0)"
+    assert str(exc.value) == f"the CUDA matrix has no vLLM {vllm} (it has: 0.20.2, 0.32.0, 0.33.0)"
 
 
 def test_default_release_stays_and_the_other_is_selectable(matrix: cuda.Matrix):
@@ -453,7 +455,7 @@ def test_gpu_info_for_vllm_0_20_2(capsys: pytest.CaptureFixture[str], host: str,
 def test_gpu_info_unknown_release_says_which_exist(capsys: pytest.CaptureFixture[str]):
     assert cuda.main_gpu_info(["--cuda-version", "13.0", "--vllm", "0.21.0"]) == 2
     err = capsys.readouterr().err
-    assert "the CUDA matrix has no vLLM 0.21.0 (it has: 0.20.2, 0.32.0)" in err
+    assert "the CUDA matrix has no vLLM 0.21.0 (it has: 0.20.2, 0.32.0, 0.33.0)" in err
 
 
 @pytest.mark.parametrize("vllm", [None, "0.20.2"])
