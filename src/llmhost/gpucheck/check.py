@@ -87,9 +87,33 @@ CANCEL_STREAMS, CANCEL_TOKENS = 4, 4000
 ENGINE_GPU_MIB = 1024
 # Multi-GPU machines shared with others: NVLink multicast must stay off (KINDS.md).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# The unit's environment as recorded: what steers CUDA, NCCL, vLLM and the backend (no secrets).
+SHOWN_ENV = ("CUDA_", "NCCL_", "NVSHMEM_", "TORCH_SYMM_", "VLLM_", "HF_", "LLMHOST_", "HOME", "TMPDIR")
 
 
 # --- the two ways of serving ------------------------------------------------------------
+
+def placed_entries(model: Path, wanted: list[dict[str, Any]], gpu_count: int) -> list[dict[str, Any]]:
+    """The roles' entries for several models of one host: each is roles_model_entry's under
+    its own name, with the kind and GPUs the placement rule gives it (the filter
+    llmhost_placement in roles/model_repository/vars: `gpus` written only where the
+    inventory pinned them). WANTED holds the inventory's name, kind and gpus per model."""
+    from llmhost.placement import plan
+
+    entries = []
+    for placed in plan(wanted, gpu_count):
+        entry = roles_model_entry(model)
+        entry.update(name=placed.name, kind=placed.kind)
+        entry["engine_args"] = {**entry["engine_args"], "served_model_name": placed.name}
+        if placed.pinned:
+            entry["gpus"] = list(placed.gpus)
+        entries.append(entry)
+    return entries
+
+
+def shown_environment(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in sorted(env.items()) if k.startswith(SHOWN_ENV)}
+
 
 def roles_model_entry(model: Path, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """The `model` roles/model_repository renders config.pbtxt.j2 and model.json.j2 with
@@ -138,13 +162,19 @@ def unit_command(triton: Any, repo: Path, backends: Path, key: str) -> list[str]
 class Server:
     """One serving of the model under KIND; start(), then stop() (SIGTERM) records what is left."""
 
-    def __init__(self, kind: str, model: Path, work: Path, logfile: Path, tensor_parallel_size: int = 1) -> None:
-        self.kind, self.model, self.work, self.logfile = kind, model, work / kind.lower(), logfile
+    def __init__(self, kind: str, model: Path, work: Path, logfile: Path, tensor_parallel_size: int = 1,
+                 entries: list[dict[str, Any]] | None = None, label: str = "") -> None:
+        """ENTRIES (KIND_MODEL's way only): the roles' entries of several models (placed_entries)
+        instead of the one model NAME; LABEL names the work directory (default: the kind)."""
+        self.kind, self.model, self.work, self.logfile = kind, model, work / (label or kind.lower()), logfile
         self.tp = tensor_parallel_size
+        self.entries = entries or [roles_model_entry(model, tensor_parallel_size)]
         self.proc: subprocess.Popen[bytes] | None = None
         self.key = ""
         self.how = ""
         self.rendered_kind = ""
+        self.argv: list[str] = []
+        self.env: dict[str, str] = {}
 
     def start(self) -> None:
         from llmhost.admin_key import ensure_key_file, read_key
@@ -167,17 +197,20 @@ class Server:
 
             triton = TritonInstall.from_pytriton()
             make_backend_dir(self.work / "backends", triton)
-            make_model_dir(self.work / "models", roles_model_entry(self.model, self.tp))
+            for entry in self.entries:
+                make_model_dir(self.work / "models", entry)
             for d in ("tmp", "huggingface", "run"):
                 (self.work / d).mkdir()
             key_file = self.work / "admin-key.env"
             ensure_key_file(key_file)
             cmd = unit_command(triton, self.work / "models", self.work / "backends", read_key(key_file))
             self.how = "tritonserver with the roles' model repository, the unit's flags and environment"
+            self.env = unit_environment(self.work, triton)
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=self.work,
-                                         env=unit_environment(self.work, triton), start_new_session=True)
+                                         env=self.env, start_new_session=True)
+        self.argv = cmd
         self.key = read_key(key_file)
-        config = (self.work / "models" / NAME / "config.pbtxt").read_text()
+        config = (self.work / "models" / self.entries[0]["name"] / "config.pbtxt").read_text()
         m = re.search(r"kind:\s*(KIND_\w+)", config)
         self.rendered_kind = m.group(1) if m else ""
 
@@ -186,27 +219,34 @@ class Server:
         assert self.proc is not None
         from llmhost.stopfile import announce_stop
 
-        kids = [pid for pid, _ in tree(self.proc.pid)]
-        t0 = time.monotonic()
         if self.kind == KIND_MODEL:
             announce_stop(self.work / "run" / "stopping", self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        return sigterm_alone(self.proc, shm_before)
+
+
+def sigterm_alone(proc: subprocess.Popen[bytes], shm_before: set[str]) -> dict[str, Any]:
+    """SIGTERM to PROC alone (not its group), its exit awaited: how long it took and which
+    of its descendants, /dev/shm segments and GPU memory outlived it. The processes left
+    are then killed (systemd's KillMode=control-group; serve's reaper)."""
+    kids = [pid for pid, _ in tree(proc.pid)]
+    t0 = time.monotonic()
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        rc: int | None = proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        rc = None
+    took = time.monotonic() - t0
+    time.sleep(2)
+    left = alive(kids + ([proc.pid] if rc is None else []))
+    res = {"rc": rc, "seconds": round(took, 1), "processes": len(kids), "processes_left": left,
+           "shm_left": sorted(set(os.listdir("/dev/shm")) - shm_before)}
+    for pid in left:
         try:
-            rc: int | None = self.proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            rc = None
-        took = time.monotonic() - t0
-        time.sleep(2)
-        left = alive(kids + ([self.proc.pid] if rc is None else []))
-        res = {"rc": rc, "seconds": round(took, 1), "processes": len(kids), "processes_left": left,
-               "shm_left": sorted(set(os.listdir("/dev/shm")) - shm_before)}
-        for pid in left:  # systemd's KillMode=control-group; serve's reaper
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return res
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return res
 
 
 # --- the checks -----------------------------------------------------------------------
@@ -234,19 +274,23 @@ def metric(name: str, *labels: str) -> float:
     return metric_sum(metrics_text(), name, f'model="{NAME}"', *labels)
 
 
-def loaded_config(key: str) -> dict[str, Any]:
+def loaded_config(key: str, name: str = NAME, base: str = URL) -> dict[str, Any]:
+    """The instance groups of the model config Triton loaded (read with the admin key)."""
     from llmhost.admin_key import HEADER
 
-    status, text = http("GET", f"/v2/models/{NAME}/config", headers={HEADER: key})
+    status, text = http("GET", f"/v2/models/{name}/config", headers={HEADER: key}, base=base)
     if status != 200:
         return {"status": status, "body": text[:300]}
     groups = json.loads(text).get("instance_group", [])
     return {"status": status, "instance_group": [{k: g.get(k) for k in ("kind", "count", "gpus")} for g in groups]}
 
 
-def smoke(out: Path, name: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "llmhost.cli", "smoke", "--url", URL, "--grpc-url", f"127.0.0.1:{GRPC}",
-           "--metrics-url", METRICS_URL, "--model", NAME, "--json"]
+def smoke(out: Path, name: str, http_port: int = HTTP, model: str = NAME) -> dict[str, Any]:
+    """`llmhost smoke` against the server on HTTP_PORT (gRPC and metrics on the next two
+    ports, as serve and the unit place them), into OUT/NAME.json."""
+    cmd = [sys.executable, "-m", "llmhost.cli", "smoke", "--url", f"http://127.0.0.1:{http_port}",
+           "--grpc-url", f"127.0.0.1:{http_port + 1}", "--metrics-url", f"http://127.0.0.1:{http_port + 2}",
+           "--model", model, "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     (out / f"{name}.json").write_text(proc.stdout + proc.stderr)
     try:
@@ -319,33 +363,41 @@ def structured() -> dict[str, Any]:
     return res
 
 
-def _stream(outcome: dict[str, Any], close: threading.Event) -> None:
-    body = json.dumps({"text_input": "def main():", "max_tokens": CANCEL_TOKENS, "ignore_eos": True, "stream": True,
+def stream_tokens(outcome: dict[str, Any], close: threading.Event, url: str = URL, max_tokens: int = CANCEL_TOKENS,
+                  started: threading.Event | None = None) -> None:
+    """One stream of MAX_TOKENS (ignore_eos) from Triton's HTTP generate_stream at URL: its
+    tokens and error into OUTCOME; closed by the client once CLOSE is set. STARTED is set
+    at the first event (and when the stream ends, whatever happened)."""
+    body = json.dumps({"text_input": "def main():", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
                        "return_num_output_tokens": True}).encode()
-    req = urllib.request.Request(f"{URL}/v2/models/{NAME}/generate_stream", data=body, method="POST")
+    req = urllib.request.Request(f"{url}/v2/models/{NAME}/generate_stream", data=body, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=300) as r:
             for raw in r:
                 line = raw.decode(errors="replace").strip()
                 if line.startswith("data:"):
                     event = json.loads(line[5:])
                     if "error" in event:
                         outcome["error"] = event["error"]
-                        return
+                        break
                     # Each response counts its own tokens.
                     outcome["tokens"] = (outcome.get("tokens") or 0) + int(event.get("num_output_tokens") or 0)
+                    if started is not None:
+                        started.set()
                 if close.is_set():
                     break  # leaving the with block closes the connection mid-stream
     except OSError as exc:
         outcome["error"] = f"{type(exc).__name__}: {exc}"
     outcome["closed_at"] = time.monotonic()
+    if started is not None:
+        started.set()
 
 
 def cancellation() -> dict[str, Any]:
     cancelled = metric("vllm:request_cancelled_total")
     outcomes: list[dict[str, Any]] = [{} for _ in range(CANCEL_STREAMS)]
     close = threading.Event()
-    threads = [threading.Thread(target=_stream, args=(o, close), daemon=True) for o in outcomes]
+    threads = [threading.Thread(target=stream_tokens, args=(o, close), daemon=True) for o in outcomes]
     for t in threads:
         t.start()
     peak = 0.0
@@ -412,6 +464,7 @@ def check_kind(kind: str, model: Path, work: Path, out: Path, uuids: list[str],
     try:
         server.start()
         res["how"], res["rendered_kind"] = server.how, server.rendered_kind
+        res["command"], res["environment"] = server.argv, shown_environment(server.env)
         up = wait(lambda: ready() == 200 or (server.proc is not None and server.proc.poll() is not None), 300, 1.0)
         res["ready_s"] = round(time.monotonic() - t0, 1) if up is not None and ready() == 200 else None
         log(f"{kind}: ready after {res['ready_s']} s ({server.how})")

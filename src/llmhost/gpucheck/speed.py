@@ -352,8 +352,9 @@ class Server:
     """One server (SIDE) started in a session of its own; stop() ends its whole group."""
 
     def __init__(self, side: str, model: Path, work: Path, logfile: Path, engine: dict[str, Any],
-                 env: dict[str, str], settings: list[str] | None = None) -> None:
+                 env: dict[str, str], settings: list[str] | None = None, kind: str = "KIND_GPU") -> None:
         self.side, self.model, self.work, self.logfile, self.engine, self.env = side, model, work, logfile, engine, env
+        self.kind = kind  # the instance kind of `llmhost serve` (KIND_MODEL for a tensor parallel engine)
         self.settings = list(settings or [])  # extra `--setting KEY=VALUE` (the variant side)
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_s: list[float | None] = []
@@ -374,7 +375,7 @@ class Server:
             for k, v in self.engine.items():
                 cmd += [f"--{k.replace('_', '-')}", str(v)]
             return cmd
-        cmd = [py, "-m", "llmhost.cli", "serve", "--device", "gpu", "--kind", "KIND_GPU",
+        cmd = [py, "-m", "llmhost.cli", "serve", "--device", "gpu", "--kind", self.kind,
                "--model", str(self.model), "--name", NAME,
                "--http-port", str(self.port), "--grpc-port", str(self.port + 1),
                "--metrics-port", str(self.port + 2), "--workdir", str(self.work / self.side)]
