@@ -1,8 +1,7 @@
-"""Tensor parallel (issue 14, item 3) as it stands without a two-GPU run.
+"""Tensor parallel: what guards tensor_parallel_size > 1, and the TP mode of scripts/gpu_check.py.
 
-No two-GPU machine could be had for the TP=2 run (docs/gpu.md, "What ran on a real
-GPU"): these tests pin what guards tensor_parallel_size > 1 today, and the TP mode of
-scripts/gpu_check.py that the run will use.
+The two-GPU run that served TP=2 (2 x H200, 2026-11-27) is checked from its record in
+tests/unit/test_gpu_multi_run.py; these tests pin the decisions it relied on.
 
 * `llmhost placement` (tests/unit/test_placement.py has its cases) and the roles agree:
   a TP=2 model is KIND_MODEL (the roles' default kind on profile gpu), on 2 GPUs.
