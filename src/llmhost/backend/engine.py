@@ -83,6 +83,8 @@ class Chunk:
     # When the engine's output became this chunk (time.monotonic()): the backend's
     # response delay is measured from here to the hand-over of the response.
     made: float = field(default_factory=time.monotonic)
+    # An embedding model's answer: the prompt's embedding (None for generated text).
+    embedding: list[float] | None = None
 
 
 class Sink(Protocol):
@@ -191,6 +193,7 @@ class EngineRunner:
         self._stop: asyncio.Event | None = None
         self._encoder: PromptEncoder | None = None  # made on the engine loop at the first request
         self._multimodal = False  # vLLM's model config says the model takes images
+        self._pooling = False  # vLLM's model config says the model pools (embeddings), not generates
         self._architectures: list[str] = []  # the model's, as vLLM's model config names them
         self._limits: RequestLimits | None = None
         self._stop_server = stop_server or stop_tritonserver
@@ -275,6 +278,7 @@ class EngineRunner:
             self._tokenizer = self._engine.get_tokenizer()
             self._max_model_len = int(self._engine.model_config.max_model_len)
             self._multimodal = bool(getattr(self._engine.model_config, "is_multimodal_model", False))
+            self._pooling = getattr(self._engine.model_config, "runner_type", "generate") == "pooling"
             self._architectures = [str(a) for a in getattr(self._engine.model_config, "architectures", None) or []]
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             failure.append(exc)
@@ -551,11 +555,32 @@ class EngineRunner:
                 return
             await asyncio.sleep(0.001)
 
+    async def _embed(self, active: Active, prompt: dict[str, Any], prompt_len: int, sink: Sink) -> None:
+        """The prompt's embedding (vLLM's pooling runner), as one final response. A model
+        that generates text has none: the request is the client's error."""
+        if not self._pooling:
+            raise RequestError("this model generates text and has no embeddings; serve an "
+                               "embedding model (engine_args runner: pooling) for them")
+        from vllm.pooling_params import PoolingParams
+
+        final = None
+        async for out in self._engine.encode(prompt, PoolingParams(task="embed"), active.request_id):
+            final = out
+        if final is None or not final.finished:
+            raise RuntimeError("the engine ended the request without a final output")
+        engine_prompt = getattr(final, "prompt_token_ids", None)
+        vector = [float(v) for v in final.outputs.data.tolist()]
+        sink.send(Chunk([""], ["stop"], len(engine_prompt) if engine_prompt else prompt_len, [0], final=True,
+                        embedding=vector))
+
     async def _generate(self, active: Active, job: GenerateJob, sink: Sink) -> None:
         metrics = self.metrics
         counts: list[int] = []  # output tokens of each completion, as sent to the sink
         try:
             prompt, prompt_len = await self._prompt(job)
+            if self._pooling or job.embed:
+                await self._embed(active, prompt, prompt_len, sink)
+                return
             params = self._sampling_params(job, prompt_len)
             n = params.n
             counts = [0] * n

@@ -73,6 +73,8 @@ OUTPUTS: list[dict[str, Any]] = [
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+    # An embedding model's answer (llmhost.backend.outputs).
+    {"name": "embedding", "data_type": "TYPE_FP32", "dims": [-1]},
 ]
 INPUT_NAMES = [i["name"] for i in INPUTS]
 # Queue items the I/O thread takes at once. Everything queued, in practice: the
@@ -330,7 +332,8 @@ class _TritonIO:
 
 
 # The numeric outputs' element types; the rest are STRING tensors.
-_DTYPES = {"cumulative_logprob": np.float32, "num_input_tokens": np.uint32, "num_output_tokens": np.uint32}
+_DTYPES = {"cumulative_logprob": np.float32, "num_input_tokens": np.uint32, "num_output_tokens": np.uint32,
+           "embedding": np.float32}
 
 
 def _array(name: str, values: list[Any]) -> Any:

@@ -15,6 +15,9 @@ input asked for it, on every response of the request, one element per completion
 - ``num_input_tokens`` (UINT32, one element): the prompt's tokens;
 - ``num_output_tokens`` (UINT32): the completion's tokens in this response.
 
+An embedding model (vLLM's pooling runner) answers with one final response whose
+``embedding`` (FP32) holds the prompt's embedding, whatever was asked.
+
 A request that sets the request parameter ``sparse_outputs`` (an llmhost extension; the
 gateway sets it) gets ``finish_reason`` only from the response in which a completion
 first finished (with ``n`` > 1 the others may finish in later ones), and
@@ -75,4 +78,6 @@ def response_outputs(chunk: Any, flags: frozenset[str], counted: bool) -> dict[s
         out["num_input_tokens"] = [chunk.num_input_tokens]
     if "return_num_output_tokens" in flags:
         out["num_output_tokens"] = chunk.num_output_tokens
+    if chunk.embedding is not None:  # an embedding model's answer, always sent
+        out["embedding"] = chunk.embedding
     return out

@@ -34,6 +34,10 @@ RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_log
                 "return_num_output_tokens")
 # A request's own stream interval (ms): a request parameter, or a key of 'sampling_parameters'.
 STREAM_INTERVAL = "stream_interval_ms"
+# The request parameter that asks for the prompt's embedding (the gateway's /v1/embeddings
+# sets it): an embedding model (engine_args runner: pooling) answers every request with
+# one, a model that generates text refuses it.
+EMBED = "embed"
 BOOL_INPUTS = (STREAM, EXCLUDE_INPUT, *RETURN_FLAGS)
 MAX_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -99,6 +103,8 @@ class GenerateJob:
     images: list[bytes] = field(default_factory=list)
     # The prompt as token ids (the prompt_token_ids input), used as they are.
     prompt_token_ids: list[int] | None = None
+    # The request parameter EMBED: the client wants an embedding, not generated text.
+    embed: bool = False
 
     def returns(self) -> frozenset[str]:
         """The additional outputs asked for, as the names of their return_* inputs,
@@ -304,6 +310,7 @@ def parse_request(
         if (value := _pop_bool(params, name)) is not None:
             flags.setdefault(name, value)
     sparse = _pop_bool(params, SPARSE_OUTPUTS) or False
+    embed = _pop_bool(params, EMBED) or False
     interval = stream_interval(params.pop(STREAM_INTERVAL)) if STREAM_INTERVAL in params else None
     stream = flags.get(STREAM, False)
     if stream and flags.get(EXCLUDE_INPUT) is False:
@@ -328,4 +335,5 @@ def parse_request(
         lora_name=lora_name,
         images=images,
         prompt_token_ids=ids,
+        embed=embed,
     )

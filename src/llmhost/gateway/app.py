@@ -25,11 +25,12 @@ from llmhost.gateway.access import Access
 from llmhost.gateway.admin import AdminApi
 from llmhost.gateway.batch import merged, split
 from llmhost.gateway.config import GatewayConfig
-from llmhost.gateway.errors import ApiError, model_not_found
+from llmhost.gateway.embeddings import backend_request, embed_all, embedding_body, not_an_embedding
+from llmhost.gateway.errors import ApiError, invalid, model_not_found
 from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
 from llmhost.gateway.keys import KeyStore
 from llmhost.gateway.limits import KeyLimiter
-from llmhost.gateway.mapping import BackendRequest, parse_body, to_backend
+from llmhost.gateway.mapping import BackendRequest, parse_body, parse_embeddings, to_backend
 from llmhost.gateway.native import NativeApi
 from llmhost.gateway.pool import PoolSettings, UpstreamPool
 from llmhost.gateway.record import Observer, RequestMiddleware, RequestRecord, record_of
@@ -70,6 +71,9 @@ async def _counted(pieces: AsyncIterator[Piece], rec: RequestRecord) -> AsyncIte
     latest: dict[int, int] = {}
     try:
         async for piece in pieces:
+            if piece.embedding:
+                raise invalid(f"model '{rec.model}' is an embedding model: ask POST /v1/embeddings", "model",
+                              "embedding_model")
             for i, count in enumerate(piece.num_output_tokens):
                 latest[i] = latest.get(i, 0) + count
             rec.output_tokens = sum(latest.values())
@@ -88,14 +92,20 @@ async def _counted(pieces: AsyncIterator[Piece], rec: RequestRecord) -> AsyncIte
 BYTES_PER_TOKEN = 4
 
 
+def _text_tokens(prompt: str | list[int] | None) -> int:
+    """A prompt's likely tokens: its token ids, or its UTF-8 bytes / BYTES_PER_TOKEN."""
+    if isinstance(prompt, list):
+        return len(prompt)
+    return -(-len((prompt or "").encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
+
+
 def _prompt_estimate(req: BackendRequest) -> int:
     """The prompt tokens a request will likely use, before a tokenizer has seen it."""
     if req.messages is not None:
         prompts: list[Any] = ["".join(m.get("content", "") for m in req.messages)]
     else:
         prompts = req.batch or [req.prompt_token_ids if req.prompt_token_ids is not None else req.text_input]
-    return sum(len(p) if isinstance(p, list) else -(-len((p or "").encode("utf-8", "surrogatepass"))
-                                                      // BYTES_PER_TOKEN) for p in prompts)
+    return sum(_text_tokens(p) for p in prompts)
 
 
 def _estimate(req: BackendRequest) -> int:
@@ -156,6 +166,38 @@ class Gateway(Access):
             return json_response(completion_body(req, acc, rid, int(time.time())))
         except ApiError as exc:
             if rec.model is None and raw:  # refused before the body was parsed: the metrics' model label
+                rec.model = _model_named(raw)
+            return error_response(exc)
+        except ClientGone:
+            return Response(None, 499)
+
+    async def embeddings(self, request: Request) -> Response:
+        raw = b""
+        rec = record_of(request.scope)
+        try:
+            key = self.auth(request)
+            raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
+            req, items = parse_embeddings(raw)
+            rec.model = req.model
+            if req.model not in self.config.models or not key.may_use(req.model):
+                raise model_not_found(req.model)
+            self.admit(request, key, sum(_text_tokens(item) for item in items))
+            note = self.note_upstream(request)
+
+            async def embed_one(item: str | list[int]) -> tuple[list[float], int]:
+                one = backend_request(req.model, item)
+                last: Piece | None = None
+                async for piece in self.pool.stream(one.model, lambda client: client.generate(one), note):
+                    last = piece if piece.embedding or last is None else last
+                if last is None or not last.embedding:
+                    raise not_an_embedding(req.model)
+                return last.embedding, last.num_input_tokens or 0
+
+            results = await until_disconnect(request, embed_all(items, embed_one))
+            rec.prompt_tokens = sum(count for _, count in results)
+            return json_response(embedding_body(req.model, results, req.encoding_format or "float"))
+        except ApiError as exc:
+            if rec.model is None and raw:
                 rec.model = _model_named(raw)
             return error_response(exc)
         except ClientGone:
@@ -225,6 +267,7 @@ def create_app(config: GatewayConfig, keys: KeyStore, upstream: Any = None, metr
         Route("/v1/models/{model:path}", gw.model, methods=["GET"]),
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),
+        Route("/v1/embeddings", gw.embeddings, methods=["POST"]),
         *native.routes(),
         *AdminApi(gw).routes(),
     ]

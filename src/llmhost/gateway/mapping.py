@@ -10,9 +10,11 @@ from pydantic import ValidationError
 
 from llmhost.gateway.errors import invalid, unsupported
 from llmhost.gateway.openai_models import (
+    MAX_EMBEDDING_INPUTS,
     UNSUPPORTED_COMMON,
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     ResponseFormat,
 )
 
@@ -49,6 +51,8 @@ class BackendRequest:
     # Several prompts (completions): each is a request of its own with n choices, and
     # the answer's choices run prompt by prompt (llmhost.gateway.batch).
     batch: list[str | list[int]] = field(default_factory=list)
+    # The prompt's embedding, not generated text (/v1/embeddings; an embedding model).
+    embed: bool = False
 
     @property
     def choices(self) -> int:
@@ -89,13 +93,47 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise unsupported(name)
 
 
-def parse_body(raw: bytes, chat: bool) -> ChatCompletionRequest | CompletionRequest:
+def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise invalid("the request body is not valid JSON", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def parse_embeddings(raw: bytes) -> tuple[EmbeddingRequest, list[str | list[int]]]:
+    """A /v1/embeddings body, checked, and its inputs one by one (texts or token ids)."""
+    body = _json_object(raw)
+    if body.get("dimensions") is not None:
+        raise unsupported("dimensions", "is not served: the model's own size is returned")
+    body = {k: v for k, v in body.items() if k != "dimensions"}
+    try:
+        req = EmbeddingRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    value = req.input
+    items: list[str | list[int]]
+    if isinstance(value, str):
+        items = [value]
+    elif value and all(isinstance(v, int) for v in value):
+        items = [list(value)]  # type: ignore[arg-type]
+    else:
+        items = list(value)  # type: ignore[arg-type]
+    if not items:
+        raise invalid("'input' is empty: give a text, a list of texts or token ids", "input")
+    if len(items) > MAX_EMBEDDING_INPUTS:
+        raise invalid(f"'input' holds {len(items)} items; at most {MAX_EMBEDDING_INPUTS} in one request", "input")
+    for i, item in enumerate(items):
+        if (isinstance(item, str) and not item.strip()) or (isinstance(item, list) and not item):
+            param = "input" if isinstance(value, str) else f"input[{i}]"
+            raise invalid(f"'{param}' is empty", param)
+    return req, items
+
+
+def parse_body(raw: bytes, chat: bool) -> ChatCompletionRequest | CompletionRequest:
+    body = _json_object(raw)
     _refuse_unsupported(body)
     if chat and body.get("echo") not in (None, False):
         raise unsupported("echo", "is served on /v1/completions")

@@ -93,6 +93,18 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
 
 
+# The most inputs one embeddings request may hold (OpenAI's own bound).
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Strict):
+    model: str = Field(min_length=1)
+    # Text, several texts, token ids, or several lists of token ids.
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] | None = None
+    user: str | None = None
+
+
 class CompletionRequest(_Sampling):
     # Text, or token ids (one list of them, or a list holding one such list).
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]

@@ -69,6 +69,8 @@ class Piece:
     # Per completion, the backend's log probabilities of this piece's tokens as JSON
     # text (llmhost.backend.outputs); empty when the request asked for none.
     logprobs: list[str] = field(default_factory=list)
+    # An embedding model's answer: the prompt's embedding (empty for generated text).
+    embedding: list[float] = field(default_factory=list)
 
 
 # What the gateway asks of the backend besides the prompt: the same on both paths.
@@ -97,7 +99,8 @@ def socket_request(req: BackendRequest, request_id: str) -> bytes:
     inputs["sampling_parameters"] = json.dumps(req.sampling)
     inputs["stream"] = req.stream
     inputs.update(dict.fromkeys(backend_flags(req), True))
-    line = {"inputs": inputs, "parameters": {"sparse_outputs": True}, "id": request_id}
+    params: dict[str, Any] = {"sparse_outputs": True, "embed": True} if req.embed else {"sparse_outputs": True}
+    line = {"inputs": inputs, "parameters": params, "id": request_id}
     return json.dumps(line, separators=(",", ":")).encode("utf-8", "surrogatepass") + b"\n"
 
 
@@ -108,7 +111,7 @@ def socket_piece(outputs: dict[str, list[Any]], final: bool) -> Piece:
     return Piece(texts=outputs.get("text_output", []), finish_reasons=outputs.get("finish_reason", []),
                  num_input_tokens=inputs[0] if inputs else None,
                  num_output_tokens=outputs.get("num_output_tokens", []), final=final,
-                 logprobs=outputs.get("logprobs", []))
+                 logprobs=outputs.get("logprobs", []), embedding=outputs.get("embedding", []))
 
 
 def _bytes_tensor(values: list[bytes]) -> bytes:
@@ -122,6 +125,8 @@ def build_request(req: BackendRequest, request_id: str) -> Any:
     # finish_reason and num_input_tokens only in the responses where they say
     # something (llmhost.backend.outputs): fewer tensors per token for the stub.
     msg.parameters["sparse_outputs"].bool_param = True
+    if req.embed:
+        msg.parameters["embed"].bool_param = True
     tensors: list[tuple[str, str, bytes, int]] = []
     name, value = prompt_input(req)
     if isinstance(value, list):
