@@ -30,7 +30,7 @@ $(VENV)/.setup-done: pyproject.toml
 setup: $(VENV)/.setup-done
 
 lint-python: setup
-	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff check src tests lab
 
 lint: lint-python lint-ansible lint-monitoring
 
@@ -60,7 +60,7 @@ clean:
 # server, one at a time, five rotating rounds (about 25 minutes; docs/performance.md);
 # prints the median ratios against their goals and writes bench-results/compare.{json,png}.
 bench-compare: setup
-	$(PY) scripts/bench_compare.py --rounds 5 --concurrency 1,16,64 --duration 20
+	$(PY) -m lab.bench_compare --rounds 5 --concurrency 1,16,64 --duration 20
 
 .PHONY: bench-compare
 

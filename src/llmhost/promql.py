@@ -1,6 +1,6 @@
 """The Grafana dashboards' PromQL queries, and Prometheus's HTTP query API (stdlib only).
 
-Used by scripts/gpu_panels_check.py on a GPU host and by the monitoring tests.
+Used by lab/gpu_panels_check.py on a GPU host and by the monitoring tests.
 """
 
 from __future__ import annotations

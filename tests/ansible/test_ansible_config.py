@@ -56,7 +56,7 @@ def test_nothing_in_the_repository_moves_it() -> None:
     (ansible_remote_tmp and the environment variables rank above ansible.cfg)."""
     files = [REPO / "ansible.cfg", REPO / "Makefile", *REPO.glob("*.yml"), *REPO.glob("inventory/**/*.yml"),
              *REPO.glob("playbooks/*.yml"), *REPO.glob("roles/**/*.yml"), *REPO.glob("roles/**/*.j2"),
-             *REPO.glob("mk/*.mk"), *REPO.glob("scripts/*"), *REPO.glob("tests/system/*.py")]
+             *REPO.glob("mk/*.mk"), *REPO.glob("lab/*"), *REPO.glob("tests/system/*.py")]
     offenders = []
     for path in files:
         if not path.is_file():

@@ -8,8 +8,8 @@ import base64
 from typing import Any
 
 import pytest
-from filter_plugins import llmhost_nvidia as nvidia
 
+from filter_plugins import llmhost_nvidia as nvidia
 from tests.ansible._helpers import ROLES, load_yaml
 
 VARS = load_yaml(ROLES / "nvidia_driver" / "vars" / "main.yml")

@@ -70,7 +70,7 @@ def test_the_variables_reference_is_loaded_by_nothing() -> None:
     assert isinstance(load_yaml(REPO / "docs" / "variables.yml"), dict)
     loads = re.compile(r"(@|vars_files|include_vars|file:)[^\n]*variables\.yml")
     sources = [*REPO.glob("*.yml"), *REPO.glob("playbooks/*.yml"), *REPO.glob("roles/*/tasks/*.yml"),
-               *REPO.glob("mk/*.mk"), REPO / "Makefile", REPO / "ansible.cfg", *REPO.glob("scripts/*")]
+               *REPO.glob("mk/*.mk"), REPO / "Makefile", REPO / "ansible.cfg", *REPO.glob("lab/*")]
     readers = [str(p.relative_to(REPO)) for p in sources if p.is_file() and loads.search(p.read_text())]
     assert not readers, readers
 

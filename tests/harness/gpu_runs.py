@@ -1,4 +1,4 @@
-"""Reading a recorded `scripts/gpu_speed.py` run (its result.json) in the unit tests
+"""Reading a recorded `lab/gpu_speed.py` run (its result.json) in the unit tests
 that check what docs/performance.md states of it: per-level figures of each side and
 the per-round ratios between two sides."""
 

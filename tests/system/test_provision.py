@@ -61,6 +61,19 @@ def test_env_file_and_model_permissions(converged: Converged):
     assert host.exec("ls /opt/llmhost/models/tiny").stdout.split() == ["1", "config.pbtxt", "model.json"]
 
 
+def test_the_host_gets_the_package_and_no_lab_code(converged: Converged):
+    """The role copies src/llmhost alone: the GPU checks and comparisons (lab/) stay in the
+    repository, and the package installed in the venv has none of them either."""
+    host = converged.host
+    sources = host.exec("cd /opt/llmhost/src && find . -type f | sort").stdout.split()
+    assert "./llmhost/pyproject.toml" in sources and "./llmhost/src/llmhost/cli.py" in sources, sources[:20]
+    assert not [f for f in sources if "/lab/" in f or "gpucheck" in f or f.endswith("README.md")], sources
+    r = host.exec("find /opt/llmhost/venv -path '*site-packages*' \\( -name gpucheck -o -name lab \\) -print")
+    assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
+    r = host.exec("/opt/llmhost/venv/bin/llmhost --version")
+    assert r.returncode == 0 and r.stdout.startswith("llmhost "), r.stdout + r.stderr
+
+
 def test_smoke_from_this_machine(converged: Converged):
     p = converged.ports
     done = subprocess.run(

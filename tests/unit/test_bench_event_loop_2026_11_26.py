@@ -1,5 +1,5 @@
 """The gateway on uvloop against asyncio's loop on the 2-core machine (2026-11-26):
-two runs of ``scripts/bench_compare.py --paths triton,gateway``. What
+two runs of ``lab/bench_compare.py --paths triton,gateway``. What
 docs/performance.md ("The gateway's event loop") states of them is checked
 here from the recorded JSON."""
 

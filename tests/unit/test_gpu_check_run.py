@@ -1,4 +1,4 @@
-"""Issue 14's GPU check recorded on the real H100 (scripts/gpu_check.py, vLLM 0.20.2,
+"""Issue 14's GPU check recorded on the real H100 (lab/gpu_check.py, vLLM 0.20.2,
 2026-11-24): the Qwen3-0.6B-shaped random model served under KIND_GPU (`llmhost serve
 --device gpu`) and KIND_MODEL (the roles' model repository under tritonserver started
 the unit's way). What the run showed is checked here from its numbers, not from the
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from llmhost.gpucheck import check as gpu_check
+from lab.gpucheck import check as gpu_check
 from llmhost.placement import plan
 from tests.harness.paths import ROOT
 

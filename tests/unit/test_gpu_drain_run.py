@@ -1,4 +1,4 @@
-"""Drain on stop recorded on the real H100 (scripts/gpu_drain_check.py, vLLM 0.20.2,
+"""Drain on stop recorded on the real H100 (lab/gpu_drain_check.py, vLLM 0.20.2,
 `llmhost serve --device gpu`, KIND_GPU, 2026-11-23): what it showed is checked here,
 so the record and the claims made from it (docs/gpu.md) cannot drift apart."""
 

@@ -1,7 +1,7 @@
 """Issue 13's gateway measured on the H100 (2026-11-25, vLLM 0.20.2), recorded in
 ``device-run-2026-11-25-gateway``:
 
-    python3 scripts/gpu_speed.py OUT --servers together --gpu-memory-utilization 0.2 --gateway \\
+    python3 -m lab.gpu_speed OUT --servers together --gpu-memory-utilization 0.2 --gateway \\
         --no-grouped --rounds 3 --concurrency 1,16,64,256 --duration 10 --budget 900
 
 ``triton`` (one response per engine step over Triton HTTP SSE), ``vllm`` (vLLM's own
@@ -16,7 +16,7 @@ import statistics
 
 import pytest
 
-from llmhost.gpucheck import speed as gpu_speed
+from lab.gpucheck import speed as gpu_speed
 from tests.harness.gpu_runs import clean_levels, levels, load, median_ratio, ratios
 from tests.harness.paths import FIXTURES
 

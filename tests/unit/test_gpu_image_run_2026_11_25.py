@@ -1,7 +1,7 @@
 """The ``image`` input on the H100 (2026-11-25, vLLM 0.20.2, transformers 5.17.0), recorded
 in ``device-run-2026-11-25-images``:
 
-    python3 scripts/gpu_image_check.py OUT/record.json --fix-pixtral-import
+    python3 -m lab.gpu_image_check OUT/record.json --fix-pixtral-import
 
 A random LLaVA (CLIP tower of 32x32 pictures in 8x8 patches, Qwen2 text model; the prompt
 carries ``<image>``, which vLLM expands to the picture's 16 patch tokens) and the tiny

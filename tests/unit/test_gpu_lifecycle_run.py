@@ -1,4 +1,4 @@
-"""The engine-lifecycle run recorded on the real H100 (scripts/gpu_lifecycle_check.py,
+"""The engine-lifecycle run recorded on the real H100 (lab/gpu_lifecycle_check.py,
 vLLM 0.20.2, `llmhost serve --device gpu`, 2026-11-23): what it showed is checked
 here, so the record and the claims made from it (docs/gpu.md, docs/reliability.md)
 cannot drift apart."""

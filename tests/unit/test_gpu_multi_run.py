@@ -1,4 +1,4 @@
-"""The two-GPU run recorded on the lent machine (scripts/gpu_multi_check.py, 2x H200,
+"""The two-GPU run recorded on the lent machine (lab/gpu_multi_check.py, 2x H200,
 vLLM 0.20.2, 2026-11-27): tensor parallel size 2 the roles' way and through `llmhost
 serve`, two models placed one per GPU, stop, drain and the SIGKILL of a tensor parallel
 worker, and the bench against `vllm serve --tensor-parallel-size 2`.
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from llmhost.gpucheck import check as gpu_check
+from lab.gpucheck import check as gpu_check
 from llmhost.layout import make_model_dir
 from tests.harness.paths import ROOT
 

@@ -1,7 +1,7 @@
 """Issue 14's H100 speed run of the final code (2026-11-25, vLLM 0.20.2), recorded in
 ``device-run-2026-11-25-final``:
 
-    python3 scripts/gpu_speed.py OUT --servers together --gpu-memory-utilization 0.2 \\
+    python3 -m lab.gpu_speed OUT --servers together --gpu-memory-utilization 0.2 \\
         --rounds 3 --concurrency 1,16,64,256 --duration 12 --budget 1150
 
 with the code's default settings: ``triton`` (one response per engine step over Triton
@@ -17,8 +17,8 @@ import statistics
 
 import pytest
 
+from lab.gpucheck import speed as gpu_speed
 from llmhost.backend.config import BackendSettings
-from llmhost.gpucheck import speed as gpu_speed
 from tests.harness.gpu_runs import clean_levels, levels, load, median_ratio, ratios
 from tests.harness.paths import FIXTURES
 

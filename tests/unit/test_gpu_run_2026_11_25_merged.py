@@ -1,6 +1,6 @@
 """The H100 runs of the code after issue 16's merges (2026-11-25, vLLM 0.20.2):
 
-* ``device-run-2026-11-25-check``: scripts/gpu_check.py under KIND_GPU (`llmhost serve
+* ``device-run-2026-11-25-check``: lab/gpu_check.py under KIND_GPU (`llmhost serve
   --kind KIND_GPU`) and KIND_MODEL (the roles' repository), with one response per
   engine step as the new default: every check passed, nothing left behind;
 * ``device-run-2026-11-25-fresh``: gpu_speed.py, the per-step Triton path with the
@@ -16,7 +16,7 @@ import statistics
 
 import pytest
 
-from llmhost.gpucheck import check as gpu_check
+from lab.gpucheck import check as gpu_check
 from tests.harness.paths import FIXTURES
 
 H100 = FIXTURES / "gpu" / "h100-580.159.04-real"

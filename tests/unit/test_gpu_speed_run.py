@@ -1,4 +1,4 @@
-"""Issue 14's GPU speed run recorded on the real H100 (scripts/gpu_speed.py, vLLM 0.20.2,
+"""Issue 14's GPU speed run recorded on the real H100 (lab/gpu_speed.py, vLLM 0.20.2,
 2026-11-24): the Triton path (`llmhost serve --device gpu`, one response per engine step)
 against vLLM's own OpenAI server, same model and engine arguments, 3 alternating rounds,
 plus the grouped mode (default stream window). The facts docs/performance.md states are
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llmhost.gpucheck import speed as gpu_speed
+from lab.gpucheck import speed as gpu_speed
 from tests.harness.paths import ROOT
 
 RUN = ROOT / "tests" / "fixtures" / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-24-speed2"

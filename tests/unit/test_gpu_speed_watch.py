@@ -1,4 +1,4 @@
-"""scripts/gpu_speed.py's per-thread CPU and scheduler-gauge sampling (pure parts), the
+"""lab/gpu_speed.py's per-thread CPU and scheduler-gauge sampling (pure parts), the
 rotation of the measured sides, the uvloop side's command and environment, and the
 backend's event-loop experiment switch (LLMHOST_EVENT_LOOP)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from lab.gpucheck import speed as gpu_speed
 from llmhost.backend import engine
-from llmhost.gpucheck import speed as gpu_speed
 
 
 def test_task_stat_and_schedstat_parsing():

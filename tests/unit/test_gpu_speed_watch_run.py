@@ -1,4 +1,4 @@
-"""Issue 14's H100 speed runs of 2026-11-25 (scripts/gpu_speed.py with per-thread CPU and
+"""Issue 14's H100 speed runs of 2026-11-25 (lab/gpu_speed.py with per-thread CPU and
 the servers' metrics sampled per level, vLLM 0.20.2): why the per-step Triton path trails
 vLLM's own server at c=16 and c=256. The facts docs/performance.md ("What is left on the
 H100") states are checked here from the recorded raw numbers.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from llmhost.gpucheck import speed as gpu_speed
+from lab.gpucheck import speed as gpu_speed
 from tests.harness.paths import ROOT
 
 REAL = ROOT / "tests" / "fixtures" / "gpu" / "h100-580.159.04-real"

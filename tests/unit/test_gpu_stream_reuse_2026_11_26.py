@@ -1,5 +1,5 @@
 """A prototype gateway that kept its gRPC streams to Triton open, on the H100: two runs
-of ``scripts/gateway_probe.py`` (2026-11-26, vLLM 0.20.2, sides http, gateway with a
+of ``lab/gateway_probe.py`` (2026-11-26, vLLM 0.20.2, sides http, gateway with a
 stream per request, and gateway-reuse: the prototype, a temporary switch that is not in
 the code), recorded in ``device-run-2026-11-26-gateway-probe/{6-stream-reuse,
 7-stream-reuse-b}``. What docs/performance.md ("Kept gRPC streams: tried, not kept")

@@ -1,4 +1,4 @@
-"""Imports go through packages, never around them: no code in src/, scripts/ or tests/
+"""Imports go through packages, never around them: no code in src/, lab/ or tests/
 edits sys.path or imports a module by its file path, and no role reaches out of itself
 with role_path/../.. (issue 15). A match names the file and line."""
 
@@ -20,7 +20,7 @@ ROLE_ESCAPE = re.compile(r"role_path\s*(\}\}\s*)?[/'\"+ ~]*\.\./\.\.")
 
 
 def _python_files() -> list[Path]:
-    files = [p for top in ("src", "scripts", "tests") for p in (ROOT / top).rglob("*.py")]
+    files = [p for top in ("src", "lab", "tests") for p in (ROOT / top).rglob("*.py")]
     this = Path(__file__).resolve()  # its patterns and examples would match themselves
     return sorted(p for p in files if "__pycache__" not in p.parts and p.resolve() != this)
 
@@ -54,7 +54,7 @@ def test_no_role_reaches_out_of_itself():
     "sys.path = [x]",
     "sys.path += extra",
     "spec = importlib.util.spec_from_file_location('m', p)",
-    "runpy.run_path('scripts/testhost.py')",
+    "runpy.run_path('lab/testhost.py')",
 ])
 def test_the_python_scan_catches_each_trick(line: str):
     assert PYTHON_TRICKS.search(line)

@@ -1,4 +1,4 @@
-"""Tensor parallel: what guards tensor_parallel_size > 1, and the TP mode of scripts/gpu_check.py.
+"""Tensor parallel: what guards tensor_parallel_size > 1, and the TP mode of lab/gpu_check.py.
 
 The two-GPU run that served TP=2 (2 x H200, 2026-11-27) is checked from its record in
 tests/unit/test_gpu_multi_run.py; these tests pin the decisions it relied on.
@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from llmhost.gpucheck import check as gpu_check
+from lab.gpucheck import check as gpu_check
 from llmhost.layout import make_model_dir
 from llmhost.placement import KIND_MODEL, PlacementError, plan
 from tests.harness.paths import ROOT
@@ -140,7 +140,7 @@ def test_backend_leaves_the_gpus_of_a_tp2_engine_to_vllm(fake_pb, monkeypatch, k
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
-# --- scripts/gpu_check.py's TP mode ---------------------------------------------------------
+# --- lab/gpu_check.py's TP mode ---------------------------------------------------------
 
 
 def test_tp_mode_serves_kind_model_alone():

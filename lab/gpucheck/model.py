@@ -1,7 +1,7 @@
 """The model the GPU checks serve: the tiny model, or Qwen3-0.6B's shape with the tiny
 model's tokenizer (random bf16 weights, 445M parameters).
 
-``python -m llmhost.gpucheck.model KIND PATH`` writes it (``make_in_child`` runs that, so
+``python -m lab.gpucheck.model KIND PATH`` writes it (``make_in_child`` runs that, so
 that the CUDA memory making it takes is given back when the child exits).
 """
 
@@ -53,7 +53,7 @@ def make_model(kind: str, path: Path, seed: int = 0) -> dict[str, Any]:
 
 def make_in_child(kind: str, path: Path) -> None:
     """make_model in a child process: CUDA memory this process took would stay held until it exits."""
-    subprocess.run([sys.executable, "-m", "llmhost.gpucheck.model", kind, str(path)], check=True)
+    subprocess.run([sys.executable, "-m", "lab.gpucheck.model", kind, str(path)], check=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,12 +1,12 @@
 """Multi-GPU run: tensor parallel and one model per GPU on a host with two GPUs.
 
 Run on the lent two-GPU machine with the device kit (../shared/gpu-kit, after
-gpu-setup.sh), from the repository root: `python3 scripts/gpu_multi_check.py OUT`.
-It writes the Qwen3-0.6B-shaped random model (llmhost.gpucheck.model) and runs, in
+gpu-setup.sh), from the repository root: `python3 -m lab.gpu_multi_check OUT`.
+It writes the Qwen3-0.6B-shaped random model (lab.gpucheck.model) and runs, in
 order, recording each phase in OUT/result.json as it ends:
 
 1. `roles_tp`: the model with engine_args tensor_parallel_size 2 the roles' way
-   (llmhost.gpucheck.check.check_kind under KIND_MODEL: the roles' model repository,
+   (lab.gpucheck.check.check_kind under KIND_MODEL: the roles' model repository,
    the unit's command line and environment): smoke, bad input, structured output,
    cancellation, GPU metrics, stop; vLLM's engine config and both GPUs' memory.
 2. `placement`: two models of one tritonserver, the roles' way, placed by `gpus:` as
@@ -24,13 +24,13 @@ order, recording each phase in OUT/result.json as it ends:
 5. `serve_tp_again`: phase 3's servers once more for bench round 2, then stop.
 
 Bench: vLLM's own client in this process (llmhost.vllm_bench, through
-scripts/stream_compare.py's measure_level), random 256-token prompts, 128 tokens out,
+lab/stream_compare.py's measure_level), random 256-token prompts, 128 tokens out,
 ignore_eos, c=16/64/256 after a warm-up of 64 requests: round 1 llmhost then vLLM,
 round 2 vLLM then llmhost. Both TP=2 servers need both GPUs, so they run one after
 the other. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the rest of
 check.NO_MULTICAST, set before anything starts).
 
-Usage: python3 scripts/gpu_multi_check.py OUT [--concurrency 16,64,256] [--phases ...]
+Usage: python3 -m lab.gpu_multi_check OUT [--concurrency 16,64,256] [--phases ...]
 Writes OUT/result.json, OUT/multi.log, nvidia-smi lists, the rendered and loaded model
 configs, smoke outputs and the servers' log tails. The H100 run of 2026-11-27 is in
 tests/fixtures/gpu/h100x2-580.159.04-real/device-run-2026-11-27-multi/ (its unit test:
@@ -52,12 +52,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stream_compare import GpuUse, SocketGateway, level_line, measure_level, requests_for
-
-from llmhost.gpucheck import check
-from llmhost.gpucheck.lifecycle import alive, http, wait
-from llmhost.gpucheck.model import MAX_MODEL_LEN, make_in_child
-from llmhost.gpucheck.speed import GATEWAY_KEY, NAME, Server, tail
+from lab.gpucheck import check
+from lab.gpucheck.lifecycle import alive, http, wait
+from lab.gpucheck.model import MAX_MODEL_LEN, make_in_child
+from lab.gpucheck.speed import GATEWAY_KEY, NAME, Server, tail
+from lab.stream_compare import GpuUse, SocketGateway, level_line, measure_level, requests_for
 
 TP = 2
 PHASES = ("roles_tp", "placement", "serve_tp", "vllm", "serve_tp_again")

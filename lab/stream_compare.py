@@ -2,7 +2,7 @@
 measured by vLLM's own client (`vllm bench serve`, in process: llmhost.vllm_bench).
 
 Run on a GPU host with the device kit (../shared/gpu-kit, after gpu-setup.sh). It writes
-the Qwen3-0.6B-shaped random model (llmhost.gpucheck.model), starts `llmhost serve
+the Qwen3-0.6B-shaped random model (lab.gpucheck.model), starts `llmhost serve
 --device gpu` with `llmhost gateway --engine-sockets` in front (the role's defaults) on
 the first GPU and vLLM's OpenAI server on the second (both on one GPU, each with a
 share of its memory, where there is one), and measures them in alternating order per
@@ -10,7 +10,7 @@ round at each concurrency: random prompts of --input-len tokens, --output-len to
 out, --ignore-eos. The client runs in this process on the same host; its CPU seconds
 and each GPU's utilisation are recorded per level.
 
-Usage: python3 scripts/stream_compare.py OUT [--rounds 3] [--concurrency 1,16,64,256]
+Usage: python3 -m lab.stream_compare OUT [--rounds 3] [--concurrency 1,16,64,256]
 Writes OUT/result.json (every level's numbers and the medians of the per-round ratios
 gateway / vllm), OUT/compare.log, the servers' log tails and the gateway's /metrics.
 """
@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmhost.gpucheck.model import make_in_child
-from llmhost.gpucheck.speed import GATEWAY_KEY, NAME, Gateway, Server, order, tail
+from lab.gpucheck.model import make_in_child
+from lab.gpucheck.speed import GATEWAY_KEY, NAME, Gateway, Server, order, tail
 from llmhost.vllm_bench import client_argv, run_level, summarize
 
 SIDES = ("gateway", "vllm")

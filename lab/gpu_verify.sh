@@ -3,7 +3,7 @@
 #   - nvidia-smi outputs and `llmhost gpu-info` (driver/CUDA detection + vLLM/PyTorch match);
 #   - the bundled tritonserver (nvidia-pytriton) started with GPU metrics: its nv_gpu_* series;
 #   - the nvidia_driver role's plan in check mode against the real PCI bus (if ansible is there).
-# Usage: scripts/gpu_verify.sh OUT_DIR   (python3 must import pytriton; ansible optional)
+# Usage: lab/gpu_verify.sh OUT_DIR   (python3 must import pytriton; ansible optional)
 set -uo pipefail
 out=${1:?usage: $0 OUT_DIR}
 mkdir -p "$out"

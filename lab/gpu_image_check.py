@@ -23,7 +23,7 @@ With the device kit (vLLM 0.20.2 on the image's transformers 5.17) LLaVA needs
 the CLIP tower's weights are renamed as LLaVA checkpoints name them (clip_tower_names).
 ``--device cpu`` serves BLIP-2 on CPU (a dry run of the checks; LLaVA needs torchvision).
 
-Usage: python3 scripts/gpu_image_check.py OUT.json [--work DIR] [--models llava,blip2]
+Usage: python3 -m lab.gpu_image_check OUT.json [--work DIR] [--models llava,blip2]
        [--fix-pixtral-import] [--device gpu|cpu] [--write-only]
 Writes OUT.json (versions, each check's request summary, response fields and verdict)
 and serve-NAME.log beside it; prints a summary; exits 1 if a check failed. The H100 run

@@ -36,7 +36,7 @@ thread_level), with OS threads named after Python threads for the run (a .pth ho
 --no-thread-names), and its metrics page (vLLM's scheduler gauges, latency histograms and
 token counter, Triton's queue counters: gauge_level).
 
-Usage: python3 scripts/gpu_speed.py OUT_DIR [--rounds 3] [--duration 12] [--processes 8]
+Usage: python3 -m lab.gpu_speed OUT_DIR [--rounds 3] [--duration 12] [--processes 8]
 Writes OUT_DIR/result.json (every sweep's levels, server CPU, GPU and CPU samples per
 level, the engine config both sides logged, and the medians of the per-round ratios
 against issue 14's goal and issue 13's), speed.log, the servers' log tails (serve-triton.log,
@@ -63,7 +63,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from llmhost.gpucheck.model import make_in_child
+from lab.gpucheck.model import make_in_child
 
 NAME = "llm"
 SIDES = ("triton", "vllm", "grouped", "uvloop", "variant", "gateway")

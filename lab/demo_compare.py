@@ -11,7 +11,7 @@ machine's cores; the idle one waits on its queue); the client runs in this proce
 and its CPU seconds per level are recorded, with the machine's load.
 
 Usage, from the repository's root (tests.harness starts `vllm serve`):
-    PYTHONPATH=. .venv/bin/python scripts/demo_compare.py OUT [--rounds 2] [--concurrency 16,64]
+    .venv/bin/python -m lab.demo_compare OUT [--rounds 2] [--concurrency 16,64]
 Writes OUT/result.json (every level's numbers and the medians of the per-round ratios
 demo gateway / vllm) and OUT/compare.log.
 """
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from stream_compare import SIDES, alternate, log, measure_level, ratios, requests_for, workload_parser
 
+from lab.stream_compare import SIDES, alternate, log, measure_level, ratios, requests_for, workload_parser
 from llmhost.tiny_model import write_tiny_model
 
 NAME = "tiny"
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the demo's gateway does not answer at {args.gateway}: run `make demo` first")
     model = write_tiny_model(out / "model", seed=0)
     import vllm
+
     from tests.harness.vllm_server import vllm_server
 
     res: dict[str, Any] = {

@@ -11,7 +11,7 @@ gpu` (KIND_GPU) twice and records, under OUT_DIR/result.json:
 2. aborted: the same with --drain-timeout 3 and the engine left frozen past the
    drain: every stream must end with the shutting-down error, then the same clean stop.
 
-Usage: python3 scripts/gpu_drain_check.py OUT_DIR [complete] [aborted]   (default: both)
+Usage: python3 -m lab.gpu_drain_check OUT_DIR [complete] [aborted]   (default: both)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from llmhost.gpucheck.lifecycle import GRPC, HTTP, METRICS, MODEL, URL, alive, log, ready, tree, wait
+from lab.gpucheck.lifecycle import GRPC, HTTP, METRICS, MODEL, URL, alive, log, ready, tree, wait
 
 STREAMS, TOKENS = 32, 400
 

@@ -15,7 +15,7 @@ device kit: ../shared/gpu-kit). It serves the generated tiny model with
    no process of the old generation nor /dev/shm segment left; then a SIGTERM stop
    leaving nothing behind.
 
-Usage: python3 scripts/gpu_lifecycle_check.py OUT_DIR   (results in OUT_DIR/result.json)
+Usage: python3 -m lab.gpu_lifecycle_check OUT_DIR   (results in OUT_DIR/result.json)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ rotating the order each round:
 * `gateway-uvloop` (only if --sides names it): a second gateway beside the first, on
   uvloop (`--event-loop uvloop`; the first runs on asyncio's own loop).
 
-Usage: python3 scripts/gateway_probe.py OUT [--device gpu|cpu] [--rounds 2] [--duration 10]
+Usage: python3 -m lab.gateway_probe OUT [--device gpu|cpu] [--rounds 2] [--duration 10]
            [--levels 1,16,64] [--processes 8] [--sides http,grpc,gateway]
            [--triton-arg=--FLAG=VALUE ...] [--py-spy PATH]
 --triton-arg passes a flag to tritonserver (`llmhost serve --triton-arg`). With --py-spy,
@@ -43,8 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmhost.gpucheck import speed
-from llmhost.gpucheck.model import make_in_child
+from lab.gpucheck import speed
+from lab.gpucheck.model import make_in_child
 
 
 class Serve(speed.Server):

@@ -1,12 +1,12 @@
 """Issue 12's engine lifecycle and input checks on a real GPU host.
 
-The check lives in llmhost.gpucheck.lifecycle (its docstring says what it records and how to
+The check lives in lab.gpucheck.lifecycle (its docstring says what it records and how to
 run it); src/ must be importable (the device kit's gpu-setup.sh puts it on the path).
 """
 
 import sys
 
-from llmhost.gpucheck.lifecycle import main
+from lab.gpucheck.lifecycle import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -38,7 +38,7 @@ vLLM's engine config in the log says tensor_parallel_size=N and the memory of ea
 the first N GPUs rose by more than a GiB while serving. NVLink multicast stays off
 (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 unless set).
 
-Usage: python3 scripts/gpu_check.py OUT_DIR [--model qwen3|tiny] [--kinds KIND_GPU,KIND_MODEL]
+Usage: python3 -m lab.gpu_check OUT_DIR [--model qwen3|tiny] [--kinds KIND_GPU,KIND_MODEL]
        [--tensor-parallel-size N]
 Writes OUT_DIR/result.json (per kind: the numbers and each check's verdict under
 "passed"), serve-kind_gpu.log, serve-kind_model.log, smoke-kind_*.json and
@@ -65,8 +65,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from llmhost.gpucheck.lifecycle import GRPC, HTTP, METRICS, URL, alive, http, log, tree, wait
-from llmhost.gpucheck.model import MAX_MODEL_LEN, make_in_child
+from lab.gpucheck.lifecycle import GRPC, HTTP, METRICS, URL, alive, http, log, tree, wait
+from lab.gpucheck.model import MAX_MODEL_LEN, make_in_child
 
 NAME = "llm"
 METRICS_URL = f"http://127.0.0.1:{METRICS}"

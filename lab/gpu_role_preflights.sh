@@ -3,7 +3,7 @@
 # (python_env: which CUDA build of vLLM/PyTorch to install; dcgm_exporter: which DCGM
 # packages) in check mode against this host, and record what they decided under OUT_DIR.
 # Nothing is installed or changed. Needs ansible-core importable by python3.
-# Usage: scripts/gpu_role_preflights.sh OUT_DIR [NVIDIA_SMI]
+# Usage: lab/gpu_role_preflights.sh OUT_DIR [NVIDIA_SMI]
 set -uo pipefail
 out=${1:?usage: $0 OUT_DIR [NVIDIA_SMI]}
 smi=${2:-$(command -v nvidia-smi)}
