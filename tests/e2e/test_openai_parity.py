@@ -108,6 +108,43 @@ def test_echo_matches_vllm_serve_streamed_and_not(ours, theirs, server):
     assert streamed == mine.choices[0].text
 
 
+def _same_prompt_logprobs(mine: list[Any], vllms: list[Any]) -> None:
+    assert mine[0] is None and vllms[0] is None and len(mine) == len(vllms) > 1
+    for a, b in zip(mine[1:], vllms[1:], strict=True):
+        assert list(a) == list(b)  # the same token ids, the prompt's own first
+        assert [(e["rank"], e["decoded_token"]) for e in a.values()] == [
+            (e["rank"], e["decoded_token"]) for e in b.values()]
+        assert _close([e["logprob"] for e in a.values()], [e["logprob"] for e in b.values()]), (a, b)
+
+
+def test_prompt_logprobs_and_echo_with_logprobs_match_vllm_serve(ours, theirs, server):
+    chat = {"model": server.name, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4,
+            "temperature": 0, "extra_body": {"prompt_logprobs": 1}}
+    mine, vllms = (c.chat.completions.create(**chat).model_dump() for c in (ours, theirs))
+    _same_prompt_logprobs(mine["prompt_logprobs"], vllms["prompt_logprobs"])
+    assert mine["choices"][0]["message"]["content"] == vllms["choices"][0]["message"]["content"]
+
+    completion = {"model": server.name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                  "extra_body": {"prompt_logprobs": 2}}
+    mine, vllms = (c.completions.create(**completion).model_dump() for c in (ours, theirs))
+    _same_prompt_logprobs(mine["choices"][0]["prompt_logprobs"], vllms["choices"][0]["prompt_logprobs"])
+
+    # echo with logprobs (how evaluation harnesses score a text): the prompt's tokens first.
+    echo = {"model": server.name, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}
+    mine, vllms = ours.completions.create(**echo), theirs.completions.create(**echo)
+    assert mine.choices[0].text == vllms.choices[0].text
+    a, b = mine.choices[0].logprobs, vllms.choices[0].logprobs
+    assert a.tokens == b.tokens and a.text_offset == b.text_offset and len(a.tokens) > 3
+    assert a.token_logprobs[0] is None and b.token_logprobs[0] is None
+    assert _close(a.token_logprobs, b.token_logprobs), (a.token_logprobs, b.token_logprobs)
+    assert a.top_logprobs[0] is None and b.top_logprobs[0] is None
+    for x, y in zip(a.top_logprobs[1:], b.top_logprobs[1:], strict=True):
+        assert x.keys() == y.keys() and _close(list(x.values()), [y[k] for k in x]), (x, y)
+
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        ours.completions.create(**{**completion, "stream": True})
+
+
 def test_a_prompt_of_token_ids_matches_vllm_serve_on_both_paths(ours, theirs, server, tiny_model, tmp_path):
     from transformers import AutoTokenizer
 

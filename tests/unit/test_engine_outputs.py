@@ -80,3 +80,30 @@ def test_cumulative_logprob_asks_vllm_for_the_sampled_tokens_logprob_only():
     job.return_cumulative_logprob = False
     job.sampling.pop("logprobs")
     assert runner._sampling_params(job, 3).logprobs is None
+
+
+def test_the_prompts_log_probabilities_go_in_the_first_response_only():
+    """The prompt_logprobs sampling parameter: vLLM's list (None first) becomes one
+    position per prompt token, the first with its text and a null log probability;
+    -inf becomes -9999.0, as vLLM's server sends it."""
+    prompt = [None, {8: lp(-1.5), 3: lp(-0.5)}, {9: SimpleNamespace(logprob=float("-inf"), rank=9,
+                                                                     decoded_token="z")}]
+    outs = [SimpleNamespace(outputs=[co(0, "a", [1], None)], finished=False, prompt_token_ids=[7, 8, 9],
+                            prompt_logprobs=prompt),
+            SimpleNamespace(outputs=[co(0, "b", [2], None, "length")], finished=True, prompt_token_ids=[7, 8, 9],
+                            prompt_logprobs=prompt)]
+    job = GenerateJob(prompt="hi", messages=None, stream=True, exclude_input=True,
+                      sampling={"max_tokens": 2, "prompt_logprobs": 1})
+    tokenizer = SimpleNamespace(decode=lambda ids: f"<{ids[0]}>")
+    sink = generate(Engine(outs), job, 1, _tokenizer=tokenizer)
+    assert not sink.errors, sink.errors
+    first, second = sink.chunks
+    assert first.prompt_logprobs == [
+        {"7": {"logprob": None, "rank": None, "decoded_token": "<7>"}},
+        {"8": {"logprob": -1.5, "rank": 1, "decoded_token": "t"}, "3": {"logprob": -0.5, "rank": 1,
+                                                                         "decoded_token": "t"}},
+        {"9": {"logprob": -9999.0, "rank": 9, "decoded_token": "z"}}]
+    assert second.prompt_logprobs is None
+    plain = generate(Engine(outs), GenerateJob(prompt="hi", messages=None, stream=True, exclude_input=True,
+                                               sampling={"max_tokens": 2}), 1)
+    assert [c.prompt_logprobs for c in plain.chunks] == [None, None]

@@ -127,10 +127,58 @@ def test_log_probabilities_and_echo_reach_the_backend():
     assert line["inputs"]["return_logprobs"] is True
 
 
-def test_echo_with_logprobs_is_refused_by_name():
-    with pytest.raises(ApiError) as info:
-        _map(json.dumps({"model": "m", "prompt": "ab", "echo": True, "logprobs": 1}).encode(), chat=False)
+def test_echo_with_logprobs_asks_for_the_prompts_log_probabilities():
+    req = _map(json.dumps({"model": "m", "prompt": "ab", "echo": True, "logprobs": 1}).encode(), chat=False)
+    assert req.sampling["prompt_logprobs"] == 1 and req.echo == "ab" and not req.prompt_logprobs
+    with pytest.raises(ApiError) as info:  # the prompt's log probabilities are not streamed
+        _map(json.dumps({"model": "m", "prompt": "ab", "echo": True, "logprobs": 1, "stream": True}).encode(),
+             chat=False)
     assert info.value.status == 400 and info.value.param == "echo"
+
+
+@pytest.mark.parametrize(("body", "chat"), [
+    ({"model": "m", "prompt": "ab", "prompt_logprobs": 1, "stream": True}, False),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0, "stream": True}, True),
+    ({"model": "m", "prompt": ["a", "b"], "prompt_logprobs": 1}, False),
+    ({"model": "m", "prompt": "ab", "prompt_logprobs": 21}, False),
+    ({"model": "m", "prompt": "ab", "prompt_logprobs": -1}, False),
+])
+def test_prompt_logprobs_refused_streamed_with_several_prompts_or_out_of_range(body, chat):
+    with pytest.raises(ApiError) as info:
+        _map(json.dumps(body).encode(), chat=chat)
+    assert info.value.status == 400 and info.value.param == "prompt_logprobs", info.value.message
+
+
+def test_prompt_logprobs_reach_the_backend_and_come_back_in_vllms_shape():
+
+    raw = json.dumps([{"5": {"logprob": None, "rank": None, "decoded_token": "a"}},
+                      {"6": {"logprob": -1.5, "rank": 3, "decoded_token": "b"},
+                       "7": {"logprob": -0.5, "rank": 1, "decoded_token": "c"}}])
+    for chat, body in ((False, {"model": "m", "prompt": "ab", "prompt_logprobs": 1}),
+                       (True, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1})):
+        req = _map(json.dumps(body).encode(), chat=chat)
+        assert req.sampling["prompt_logprobs"] == 1 and req.prompt_logprobs
+        acc = Accumulator(1)
+        acc.add(Piece(["x"], ["length"], 2, [1], True, prompt_logprobs=raw))
+        out = completion_body(req, acc, "id", 0)
+        shown = out["prompt_logprobs"] if chat else out["choices"][0]["prompt_logprobs"]
+        assert shown == [None, json.loads(raw)[1]]
+
+
+def test_echo_with_logprobs_puts_the_prompts_tokens_first():
+
+    req = _map(json.dumps({"model": "m", "prompt": "ab", "echo": True, "logprobs": 1}).encode(), chat=False)
+    acc = Accumulator(1)
+    acc.add(Piece(["x"], ["length"], 2, [1], True, prompt_logprobs=json.dumps(
+        [{"5": {"logprob": None, "rank": None, "decoded_token": "a"}},
+         {"6": {"logprob": -1.5, "rank": 3, "decoded_token": "b"}, "7": {"logprob": -0.5, "rank": 1,
+                                                                          "decoded_token": "c"}}]),
+        logprobs=[json.dumps([{"8": {"logprob": -0.25, "rank": 1, "decoded_token": "x"}}])]))
+    choice = completion_body(req, acc, "id", 0)["choices"][0]
+    assert choice["text"] == "abx" and "prompt_logprobs" not in choice
+    assert choice["logprobs"] == {"tokens": ["a", "b", "x"], "token_logprobs": [None, -1.5, -0.25],
+                                  "top_logprobs": [None, {"b": -1.5, "c": -0.5}, {"x": -0.25}],
+                                  "text_offset": [0, 1, 2]}
 
 
 def test_several_prompts_become_a_batch_of_requests():

@@ -24,7 +24,7 @@ from llmhost.backend.failures import ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST,
 from llmhost.backend.images import no_images_here
 from llmhost.backend.lora import find_adapter, lora_request
 from llmhost.backend.metrics import ServingMetrics
-from llmhost.backend.outputs import Position, positions
+from llmhost.backend.outputs import Position, position, positions
 from llmhost.backend.prompts import UTF8_MAX_BYTES, PromptEncoder, derived_prompt_bytes, longest_token_chars
 from llmhost.backend.request import GenerateJob, RequestLimits, client_label
 from llmhost.backend.watchdog import (
@@ -85,6 +85,10 @@ class Chunk:
     made: float = field(default_factory=time.monotonic)
     # An embedding model's answer: the prompt's embedding (None for generated text).
     embedding: list[float] | None = None
+    # The prompt's log probabilities (the prompt_logprobs sampling parameter), in the
+    # first response only: per prompt token, its own entry first, then the top k; the
+    # first token has no log probability (null), only its text.
+    prompt_logprobs: list[Position] | None = None
 
 
 class Sink(Protocol):
@@ -555,6 +559,21 @@ class EngineRunner:
                 return
             await asyncio.sleep(0.001)
 
+    def _prompt_positions(self, ids: list[int], prompt_logprobs: list[Any]) -> list[Position]:
+        """vLLM's prompt log probabilities as plain data: the first token (none in vLLM's
+        list) with its text and a null log probability, then one position per token. As
+        vLLM's server does, -inf becomes -9999.0."""
+        first: Position = ({str(ids[0]): {"logprob": None, "rank": None,
+                                          "decoded_token": self._tokenizer.decode([ids[0]])}} if ids else {})
+        out = [first]
+        for top in prompt_logprobs[1:]:
+            entry = position(top)
+            for value in entry.values():
+                if value["logprob"] == float("-inf"):
+                    value["logprob"] = -9999.0
+            out.append(entry)
+        return out
+
     async def _embed(self, active: Active, prompt: dict[str, Any], prompt_len: int, sink: Sink) -> None:
         """The prompt's embedding (vLLM's pooling runner), as one final response. A model
         that generates text has none: the request is the client's error."""
@@ -588,6 +607,8 @@ class EngineRunner:
             cumulative: list[float | None] = [None] * n
             want_logprobs = job.return_logprobs and job.sampling.get("logprobs") is not None
             finished = False
+            want_prompt = job.sampling.get("prompt_logprobs") is not None
+            prompt_positions: list[Position] | None = None
             texts, step, tops = self._blank(n, want_logprobs)
             # The adapter, when the request names one (checked again: the model's adapters are fixed at load).
             lora = ({"lora_request": lora_request(find_adapter(job.lora_name, self.config.adapters))}
@@ -599,6 +620,9 @@ class EngineRunner:
                 engine_prompt = getattr(out, "prompt_token_ids", None)
                 if engine_prompt:
                     prompt_len = len(engine_prompt)
+                if want_prompt and getattr(out, "prompt_logprobs", None):
+                    want_prompt = False
+                    prompt_positions = self._prompt_positions(engine_prompt or [], out.prompt_logprobs)
                 # A stream's outputs are deltas (DELTA), one response each; else vLLM
                 # gives the whole request once (FINAL_ONLY), kept until it finished. A
                 # completion absent from an output made no progress in it.
@@ -623,7 +647,8 @@ class EngineRunner:
                     texts = [job.prompt + t for t in texts]
                 sink.send(Chunk(texts, list(reasons), prompt_len, step, final=out.finished,
                                 cumulative_logprobs=list(cumulative) if job.return_cumulative_logprob else [],
-                                logprobs=tops if job.return_logprobs else []))
+                                logprobs=tops if job.return_logprobs else [], prompt_logprobs=prompt_positions))
+                prompt_positions = None
                 finished = out.finished
                 texts, step, tops = self._blank(n, want_logprobs)
             if not finished:

@@ -73,8 +73,9 @@ OUTPUTS: list[dict[str, Any]] = [
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
-    # An embedding model's answer (llmhost.backend.outputs).
+    # An embedding model's answer, and the prompt's log probabilities (llmhost.backend.outputs).
     {"name": "embedding", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [1]},
 ]
 INPUT_NAMES = [i["name"] for i in INPUTS]
 # Queue items the I/O thread takes at once. Everything queued, in practice: the

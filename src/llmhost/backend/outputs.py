@@ -15,6 +15,11 @@ input asked for it, on every response of the request, one element per completion
 - ``num_input_tokens`` (UINT32, one element): the prompt's tokens;
 - ``num_output_tokens`` (UINT32): the completion's tokens in this response.
 
+With the sampling parameter ``prompt_logprobs`` (k), the request's first response
+carries ``prompt_logprobs`` (STRING, one element): JSON, per prompt token, an object of
+token id -> ``{"logprob", "rank", "decoded_token"}``, the prompt's own token first, then
+the top k; the first token's log probability is null (nothing comes before it).
+
 An embedding model (vLLM's pooling runner) answers with one final response whose
 ``embedding`` (FP32) holds the prompt's embedding, whatever was asked.
 
@@ -80,4 +85,6 @@ def response_outputs(chunk: Any, flags: frozenset[str], counted: bool) -> dict[s
         out["num_output_tokens"] = chunk.num_output_tokens
     if chunk.embedding is not None:  # an embedding model's answer, always sent
         out["embedding"] = chunk.embedding
+    if getattr(chunk, "prompt_logprobs", None) is not None:  # asked with the prompt_logprobs sampling parameter
+        out["prompt_logprobs"] = [json.dumps(chunk.prompt_logprobs)]
     return out

@@ -61,6 +61,9 @@ FIELDS: dict[str, str] = {
     # Top-k log probabilities per generated token (the 'logprobs' output); vLLM
     # bounds k by the engine's max_logprobs (20 unless model.json says otherwise).
     "logprobs": "opt_int",
+    # Top-k log probabilities per prompt token besides the prompt's own token (the
+    # 'prompt_logprobs' output, in the request's first response).
+    "prompt_logprobs": "opt_int",
 }
 # Structured output: vLLM's StructuredOutputsParams fields, accepted either inside
 # "structured_outputs": {...} or at the top level under these names.
@@ -267,6 +270,9 @@ def validate_sampling(params: dict[str, Any], settings: BackendSettings,
     n = out.get("n", 1)
     if not 1 <= n <= settings.max_n:
         raise SamplingError(f"sampling parameter 'n' must be between 1 and {settings.max_n} (llmhost.max_n), got {n}")
+    if (out.get("prompt_logprobs") or 0) < 0:
+        raise SamplingError(f"sampling parameter 'prompt_logprobs' must be >= 0 (top log probabilities per "
+                            f"prompt token), got {out['prompt_logprobs']}")
     if (out.get("logprobs") or 0) < 0:
         raise SamplingError(f"sampling parameter 'logprobs' must be >= 0 (top log probabilities per token), "
                             f"got {out['logprobs']}")

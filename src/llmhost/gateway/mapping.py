@@ -46,6 +46,8 @@ class BackendRequest:
     logprobs: int | None = None
     # The prompt's text, to come before the completion's (completions' echo).
     echo: str | None = None
+    # The prompt's log probabilities were asked for (vLLM's prompt_logprobs field).
+    prompt_logprobs: bool = False
     # The prompt as token ids (completions), instead of text_input.
     prompt_token_ids: list[int] | None = None
     # Several prompts (completions): each is a request of its own with n choices, and
@@ -227,6 +229,10 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
     logprobs = _logprobs(req)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise invalid("'prompt_logprobs' are not available when streaming (stream: true)", "prompt_logprobs")
+        sampling["prompt_logprobs"] = req.prompt_logprobs
     text_input = messages = None
     prompt_token_ids: list[int] | None = None
     batch: list[str | list[int]] = []
@@ -242,8 +248,13 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
         if req.echo and (len(prompts) > 1 or isinstance(prompts[0], list)):
             raise unsupported("echo", "needs one prompt given as text")
         if req.echo and logprobs is not None:
-            raise unsupported("echo", "with 'logprobs' would need the prompt's log probabilities, "
-                              "which are not served; ask for one of the two")
+            # As vLLM's server: the prompt's tokens come first in logprobs, from the
+            # prompt's log probabilities (the same top k).
+            if req.stream:
+                raise unsupported("echo", "with 'logprobs' is served without stream")
+            sampling.setdefault("prompt_logprobs", logprobs)
+        if len(prompts) > 1 and req.prompt_logprobs is not None:
+            raise invalid("'prompt_logprobs' needs one prompt", "prompt_logprobs")
         if len(prompts) > 1:
             batch = prompts
         elif isinstance(prompts[0], list):
@@ -254,4 +265,5 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
                           stream=bool(req.stream), n=req.n or 1, include_usage=include_usage, chat=chat,
                           user=req.user, logprobs=logprobs,
                           echo=text_input if isinstance(req, CompletionRequest) and req.echo else None,
-                          prompt_token_ids=prompt_token_ids, batch=batch)
+                          prompt_token_ids=prompt_token_ids, batch=batch,
+                          prompt_logprobs=req.prompt_logprobs is not None)

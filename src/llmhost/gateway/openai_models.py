@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 UNSUPPORTED_COMMON = ("logit_bias", "suffix", "best_of", "tools",
                       "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
                       "modalities", "prediction", "store", "metadata", "service_tier", "reasoning_effort",
-                      "web_search_options", "prompt_logprobs", "use_beam_search")
+                      "web_search_options", "use_beam_search")
 
 Number = float
 
@@ -78,6 +78,8 @@ class _Sampling(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the prompt tokens' log probabilities (and the top k more), not streamed.
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
 
 
 # vLLM's default bound on the top log probabilities per token (its max_logprobs).

@@ -53,7 +53,7 @@ def usage(num_input: int | None, num_output: list[int]) -> dict[str, int]:
 
 # One generated token's log probabilities: (token text, log probability) for the
 # sampled token first, then the top ones, as vLLM orders them.
-Position = list[tuple[str, float]]
+Position = list[tuple[str, float | None]]
 # OpenAI's stand-in for minus infinity, as vLLM's server sends it.
 LOWEST_LOGPROB = -9999.0
 
@@ -62,8 +62,16 @@ def positions(raw: str | None) -> list[Position]:
     """One completion's log probabilities from the backend's ``logprobs`` output (JSON:
     per token, token id -> {"logprob", "rank", "decoded_token"}, the sampled token first)."""
     data = json.loads(raw) if raw else None
-    return [[(entry.get("decoded_token") or "", max(float(entry["logprob"]), LOWEST_LOGPROB))
+    return [[(entry.get("decoded_token") or "",
+              max(float(entry["logprob"]), LOWEST_LOGPROB) if entry["logprob"] is not None else None)
              for entry in position.values()] for position in data or ()]
+
+
+def vllm_prompt_logprobs(raw: str | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs`` field from the backend's output: null for the first
+    token (nothing comes before it), then per token id its logprob, rank and text."""
+    data = json.loads(raw) if raw else None
+    return [None, *data[1:]] if data else None
 
 
 def _token_bytes(token: str) -> list[int]:
@@ -89,7 +97,8 @@ def completion_logprobs(tokens: list[Position], top: int, offset: int) -> tuple[
         token, logprob = position[0]
         out["tokens"].append(token)
         out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append({t: lp for t, lp in position[:top + 1]})
+        # The prompt's first token has no log probability, nor top ones (echo).
+        out["top_logprobs"].append({t: lp for t, lp in position[:top + 1]} if logprob is not None else None)
         out["text_offset"].append(offset)
         offset += len(token)
     return out, offset
@@ -104,6 +113,7 @@ class Accumulator:
         self.num_input: int | None = None
         self.num_output = [0] * n
         self.logprobs: list[list[Position]] = [[] for _ in range(n)]
+        self.prompt_logprobs: str | None = None  # the backend's JSON, from the first piece with it
 
     def add(self, piece: Piece) -> list[list[Position]]:
         """Adds PIECE; returns its own log probabilities per choice (parsed once here)."""
@@ -116,6 +126,8 @@ class Accumulator:
             self.logprobs[i] += added[i]
         if piece.num_input_tokens is not None:
             self.num_input = piece.num_input_tokens
+        if piece.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = piece.prompt_logprobs
         for i, count in enumerate(piece.num_output_tokens[:len(self.num_output)]):
             self.num_output[i] += count  # the backend counts each response's own tokens
         return added
@@ -128,16 +140,24 @@ def _logprobs(req: BackendRequest, tokens: list[Position], offset: int = 0) -> d
 
 
 def completion_body(req: BackendRequest, acc: Accumulator, rid: str, created: int) -> dict[str, Any]:
+    shown = vllm_prompt_logprobs(acc.prompt_logprobs) if req.prompt_logprobs else None
     if req.chat:
         choices: list[dict[str, Any]] = [
             {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": _logprobs(req, acc.logprobs[i]),
              "finish_reason": acc.reasons[i]} for i, text in enumerate(acc.texts)]
-        obj = "chat.completion"
+        body: dict[str, Any] = {"id": rid, "object": "chat.completion"}
+        if req.prompt_logprobs:
+            body["prompt_logprobs"] = shown
     else:
-        choices = [{"index": i, "text": (req.echo or "") + text, "logprobs": _logprobs(req, acc.logprobs[i]),
+        # echo with logprobs: the prompt's tokens come first (vLLM's server does the same).
+        before = positions(acc.prompt_logprobs) if req.echo is not None and req.logprobs is not None else []
+        choices = [{"index": i, "text": (req.echo or "") + text, "logprobs": _logprobs(req, before + acc.logprobs[i]),
                     "finish_reason": acc.reasons[i]} for i, text in enumerate(acc.texts)]
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": choices,
+        if req.prompt_logprobs:
+            for choice in choices:
+                choice["prompt_logprobs"] = shown
+        body = {"id": rid, "object": "text_completion"}
+    return {**body, "created": created, "model": req.model, "choices": choices,
             "usage": usage(acc.num_input, acc.num_output)}
 
 

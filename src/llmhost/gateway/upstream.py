@@ -71,6 +71,8 @@ class Piece:
     logprobs: list[str] = field(default_factory=list)
     # An embedding model's answer: the prompt's embedding (empty for generated text).
     embedding: list[float] = field(default_factory=list)
+    # The prompt's log probabilities (JSON, llmhost.backend.outputs), in the first piece.
+    prompt_logprobs: str | None = None
 
 
 # What the gateway asks of the backend besides the prompt: the same on both paths.
@@ -111,7 +113,8 @@ def socket_piece(outputs: dict[str, list[Any]], final: bool) -> Piece:
     return Piece(texts=outputs.get("text_output", []), finish_reasons=outputs.get("finish_reason", []),
                  num_input_tokens=inputs[0] if inputs else None,
                  num_output_tokens=outputs.get("num_output_tokens", []), final=final,
-                 logprobs=outputs.get("logprobs", []), embedding=outputs.get("embedding", []))
+                 logprobs=outputs.get("logprobs", []), embedding=outputs.get("embedding", []),
+                 prompt_logprobs=next(iter(outputs.get("prompt_logprobs", ())), None))
 
 
 def _bytes_tensor(values: list[bytes]) -> bytes:
