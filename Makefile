@@ -46,10 +46,13 @@ test-e2e: setup
 # systemd-container and debootstrap (installed by tests/harness/rootfs.py).
 # Two workers (pytest-xdist): one takes the system tests, collected first as one group,
 # the other every other module (tests/conftest.py); TEST_WORKERS=0 runs in one process.
+# A short base directory: Unix socket paths (vLLM's, the engine sockets) in the tests'
+# folders must stay under 108 bytes, and xdist adds popen-gwN/ to every one.
 TEST_WORKERS ?= 2
 test: setup monitoring-deps lint
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible" $(VENV)/bin/pytest \
-	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=40 tests
+	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --basetemp "$$(mktemp -d /tmp/lt.XXXX)" \
+	  --durations=40 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
