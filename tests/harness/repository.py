@@ -147,12 +147,17 @@ def mapped_segments() -> set[str]:
     return out
 
 
-def leftover_segments(before: set[str], prefix: str = SHM_PREFIX) -> set[str]:
+def leftover_segments(before: set[str], prefix: str = SHM_PREFIX, settle_s: float = 5.0) -> set[str]:
     """Segments new since BEFORE that are ours (the python backend's, by PREFIX) or
-    that no live process maps (a leak; the segments of other servers running on this
-    machine at the same time are mapped by them)."""
-    new = shm_segments() - before
-    if not new:
-        return set()
-    mapped = mapped_segments()
-    return {s for s in new if s.startswith(prefix) or s not in mapped}
+    that no live process maps (a leak), and still there after SETTLE_S. The segments of
+    other servers running on this machine at the same time (another test worker's) are
+    mapped by them, or gone again once their process ended and its resource tracker
+    cleaned up: neither is a leak."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        new = shm_segments() - before
+        mapped = mapped_segments() if new else set()
+        left = {s for s in new if (s.startswith(prefix) or s not in mapped) and (Path("/dev/shm") / s).exists()}
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.5)

@@ -104,9 +104,11 @@ class SocketSink:
     def send(self, chunk: Chunk) -> None:
         outputs = response_outputs(chunk, self.flags, self.counted)
         self.counted = self.counted or "num_input_tokens" in outputs
-        self._write(_encode({"outputs": outputs, "final": chunk.final, "t": time.time()})
-                    .encode("utf-8", "surrogatepass") + b"\n")
+        line = _encode({"outputs": outputs, "final": chunk.final, "t": time.time()}).encode("utf-8", "surrogatepass")
+        # Counted before the write: once written, the client may have it (and a test
+        # reading the metrics may look) before this thread goes on.
         self.server.delays.append(time.monotonic() - chunk.made)
+        self._write(line + b"\n")
 
     def fail(self, message: str, reason: str = ENGINE_ERROR) -> None:
         self._write(error_line(message, reason))
