@@ -44,8 +44,9 @@ test-e2e: setup
 # e2e (real tritonserver + vLLM) and system (a booted Debian 12 host provisioned
 # with site.yml). Debian packages it needs: prometheus (monitoring-deps);
 # systemd-container and debootstrap (installed by tests/harness/rootfs.py).
-# Two workers (pytest-xdist): one takes the system tests, collected first as one group,
-# the other every other module (tests/conftest.py); TEST_WORKERS=0 runs in one process.
+# Two workers (pytest-xdist): one takes the system tests, the other the e2e tests (each
+# one unit of work), then both the other modules (tests/conftest.py); TEST_WORKERS=0
+# runs in one process.
 # A short base directory: Unix socket paths (vLLM's, the engine sockets) in the tests'
 # folders must stay under 108 bytes, and xdist adds popen-gwN/ to every one.
 TEST_WORKERS ?= 2

@@ -1,10 +1,11 @@
 """Shared fixtures: the tiny model (made once per session). Helpers are in tests/harness.
 
 `make test` runs the tests in two pytest-xdist workers (``--dist loadscope``) with the
-scheduler below: the system tests share one booted host per worker, so they are one
-unit of work, and they are collected first: one worker spends the run on them while
-the other takes every other module. Every other module is a unit of its own, so a
-module's server starts once.
+scheduler below. The system tests share one booted host per worker, so they are one
+unit of work; the e2e tests are one too, so that only one worker at a time runs
+tritonserver and vLLM on this machine's cores (two e2e workers side by side starved a
+server's start past its 300 s). Both are collected first, so one worker spends the run
+on each; every other module is a unit of its own and fills in after them.
 """
 
 from __future__ import annotations
@@ -14,33 +15,40 @@ from typing import Any
 
 import pytest
 
-TESTS_DIR = Path(__file__).resolve().parent
-SYSTEM_DIR = TESTS_DIR / "system"
-SYSTEM_SCOPE = "tests/system"  # node ids are relative to the repository's root
+# Folders whose tests are one unit of work each, in the order they are handed out
+# (node ids are relative to the repository's root).
+TOGETHER = ("tests/system", "tests/e2e")
 
 
-def _is_system(item: pytest.Item) -> bool:
-    return SYSTEM_DIR in Path(str(item.path)).resolve().parents
+def work_unit(nodeid: str) -> str:
+    """The unit of work of a test: its folder for the folders in TOGETHER, else its file."""
+    path = nodeid.split("::", 1)[0]
+    return next((folder for folder in TOGETHER if path.startswith(folder + "/")), path)
+
+
+def handed_out_first(nodeid: str) -> int:
+    """A test's place in the collection: the system tests, the e2e tests, then the rest."""
+    unit = work_unit(nodeid)
+    return TOGETHER.index(unit) if unit in TOGETHER else len(TOGETHER)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: not _is_system(item))  # stable: the order within each part stays
+    items.sort(key=lambda item: handed_out_first(item.nodeid))  # stable: the order within each part stays
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """With ``--dist loadscope``: the system tests as one unit of work, every other test
-    module as one. (xdist's own ``loadgroup`` marks cannot be used: xdist 3.8 renames
-    node ids in a way pytest 9 no longer reads.)"""
+    """With ``--dist loadscope``: units of work as ``work_unit`` says. (xdist's own
+    ``loadgroup`` marks cannot be used: xdist 3.8 renames node ids in a way pytest 9
+    no longer reads.)"""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class SystemTogether(LoadScopeScheduling):
+    class Together(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return SYSTEM_SCOPE if path.startswith(SYSTEM_SCOPE + "/") else path
+            return work_unit(nodeid)
 
-    return SystemTogether(config, log)
+    return Together(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,23 @@
+"""How `make test` splits the tests between its two workers (tests/conftest.py): the
+system tests one unit, the e2e tests one unit, handed out first in that order; every
+other test file a unit of its own."""
+
+from __future__ import annotations
+
+from tests.conftest import handed_out_first, work_unit
+
+
+def test_system_and_e2e_tests_are_one_unit_each_and_other_files_their_own():
+    system = {work_unit("tests/system/test_faults.py::test_a"), work_unit("tests/system/test_provision.py::b")}
+    assert system == {"tests/system"}
+    assert work_unit("tests/e2e/test_shutdown.py::test_a[x]") == work_unit("tests/e2e/test_lora.py::b") == "tests/e2e"
+    assert work_unit("tests/unit/test_gateway.py::test_a") == "tests/unit/test_gateway.py"
+    assert work_unit("tests/ansible/test_triton.py::test_a") != work_unit("tests/ansible/test_gateway.py::test_a")
+    assert work_unit("tests/e2e_like/test_x.py::a") == "tests/e2e_like/test_x.py"
+
+
+def test_system_first_then_e2e_then_the_rest():
+    ids = ["tests/unit/test_a.py::x", "tests/e2e/test_b.py::y", "tests/ansible/test_c.py::z",
+           "tests/system/test_d.py::w"]
+    assert sorted(ids, key=handed_out_first) == ["tests/system/test_d.py::w", "tests/e2e/test_b.py::y",
+                                                 "tests/unit/test_a.py::x", "tests/ansible/test_c.py::z"]
