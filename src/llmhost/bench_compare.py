@@ -1,7 +1,7 @@
 """The arithmetic of `make bench-compare` (lab/bench_compare.py): which path runs
 first in each round, and the median ratios between paths per concurrency level,
-checked against the goals the project set itself (issue 13: the gateway against the
-native Triton path and against vLLM's own server)."""
+checked against the goals the project set itself for the gateway against the native
+Triton path and against vLLM's own server."""
 
 from __future__ import annotations
 
