@@ -85,6 +85,6 @@ def response_outputs(chunk: Any, flags: frozenset[str], counted: bool) -> dict[s
         out["num_output_tokens"] = chunk.num_output_tokens
     if chunk.embedding is not None:  # an embedding model's answer, always sent
         out["embedding"] = chunk.embedding
-    if getattr(chunk, "prompt_logprobs", None) is not None:  # asked with the prompt_logprobs sampling parameter
+    if chunk.prompt_logprobs is not None:  # asked with the prompt_logprobs sampling parameter
         out["prompt_logprobs"] = [json.dumps(chunk.prompt_logprobs)]
     return out
