@@ -1,10 +1,12 @@
 """What both of the gateway's doors (the OpenAI API in ``app``, Triton's native API in
 ``native``) share: its settings and upstream pool, the API key of a request, and the
-key's limits taken for the request's lifetime."""
+key's limits taken for the request's lifetime. In a worker process (``workers``) the
+limits and the admin API's hold are the supervisor's, shared by every worker."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from starlette.requests import Request
 
@@ -14,6 +16,8 @@ from llmhost.gateway.limits import KeyLimiter, RateLimited
 from llmhost.gateway.pool import UpstreamPool
 from llmhost.gateway.record import record_of
 
+_ADMIN_FIELDS = ("target", "state", "held", "outstanding")
+
 
 class Access:
     def __init__(self, config: GatewayConfig, keys: KeyStore, pool: UpstreamPool,
@@ -22,6 +26,8 @@ class Access:
         self.keys = keys
         self.pool = pool
         self.limiter = limiter or KeyLimiter(default_max_concurrent=config.key_max_concurrent or None)
+        self.shared: Any = None  # workers.SharedState, in a worker process
+
 
     def auth(self, request: Request) -> ApiKey:
         """The request's API key (401 without a known one), noted in its record."""
@@ -29,15 +35,33 @@ class Access:
         record_of(request.scope).key = key.name
         return key
 
-    def admit(self, request: Request, key: ApiKey, estimated_tokens: int) -> None:
+    async def admit(self, request: Request, key: ApiKey, estimated_tokens: int) -> None:
         """Take the key's limits for this request (429 over one); given back when it ends."""
         rec = record_of(request.scope)
         try:
-            lease = self.limiter.admit(key, estimated_tokens)
+            if self.shared is not None:
+                lease = await self.shared.admit(key, estimated_tokens)
+            else:
+                lease = self.limiter.admit(key, estimated_tokens)
         except RateLimited as exc:
             rec.limited = exc.limit
             raise
         rec.cleanups.append(lambda r: lease.finish(r.used_tokens))
+
+    async def upstreams(self) -> list[dict[str, Any]]:
+        """Every upstream (as the admin API lists them): of every worker, where there are several."""
+        rows = (await self.shared.upstreams())["upstreams"] if self.shared is not None else self.pool.view()
+        return [{k: row[k] for k in _ADMIN_FIELDS} for row in rows]
+
+    async def hold(self, target: str, held: bool) -> None:
+        """Hold TARGET out of the pool or return it (on every worker); KeyError if unknown."""
+        member = self.pool.member(target)
+        if member is None:
+            raise KeyError(target)
+        if self.shared is not None:
+            await self.shared.hold(target, held)
+        else:
+            await self.pool.hold(member, held)
 
     def note_upstream(self, request: Request) -> Callable[[str], None]:
         """A callback that notes, in the request's record, the upstream that serves it."""

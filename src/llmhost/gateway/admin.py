@@ -40,9 +40,8 @@ class AdminApi:
                 Route("/admin/upstreams/{target}/hold", self.hold, methods=["POST"]),
                 Route("/admin/upstreams/{target}/return", self.give_back, methods=["POST"])]
 
-    def _body(self) -> dict[str, Any]:
-        return {"upstreams": [{"target": m.target, "state": m.state, "held": m.held, "outstanding": m.outstanding}
-                              for m in self.access.pool.members]}
+    async def _body(self) -> dict[str, Any]:
+        return {"upstreams": await self.access.upstreams()}
 
     def _admin(self, request: Request) -> None:
         key = self.access.auth(request)
@@ -54,21 +53,21 @@ class AdminApi:
             self._admin(request)
         except ApiError as exc:
             return error_response(exc)
-        return json_response(self._body())
+        return json_response(await self._body())
 
     async def _set(self, request: Request, held: bool) -> Response:
         try:
             self._admin(request)
             target = request.path_params["target"]
-            member = self.access.pool.member(target)
-            if member is None:
+            try:
+                await self.access.hold(target, held)
+            except KeyError:
                 raise ApiError(404, f"no upstream '{target}'; the gateway has "
                                f"{', '.join(m.target for m in self.access.pool.members)}",
-                               "not_found_error", "target", "upstream_not_found")
-            await self.access.pool.hold(member, held)
+                               "not_found_error", "target", "upstream_not_found") from None
         except ApiError as exc:
             return error_response(exc)
-        return json_response(self._body())
+        return json_response(await self._body())
 
     async def hold(self, request: Request) -> Response:
         return await self._set(request, True)

@@ -153,7 +153,7 @@ class Gateway(Access):
             rec.model = req.model
             if req.model not in self.config.models or not key.may_use(req.model):
                 raise model_not_found(req.model)
-            self.admit(request, key, _estimate(req))
+            await self.admit(request, key, _estimate(req))
             pieces = _counted(self._pieces(req, request), rec)
             rid = new_id(chat)
             if req.stream:
@@ -181,7 +181,7 @@ class Gateway(Access):
             rec.model = req.model
             if req.model not in self.config.models or not key.may_use(req.model):
                 raise model_not_found(req.model)
-            self.admit(request, key, sum(_text_tokens(item) for item in items))
+            await self.admit(request, key, sum(_text_tokens(item) for item in items))
             note = self.note_upstream(request)
 
             async def embed_one(item: str | list[int]) -> tuple[list[float], int]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
+import socket
 import ssl
 import sys
 from collections.abc import Coroutine, Iterator
@@ -31,7 +33,16 @@ from llmhost.gateway.config import (
     parse_host_port,
 )
 from llmhost.gateway.connections import guarded_protocol, raise_open_files_limit
-from llmhost.gateway.keys import MIN_KEY_CHARS, KeysError, KeyStore, hash_key, load_keys
+from llmhost.gateway.keys import MIN_KEY_CHARS, ApiKey, KeysError, KeyStore, hash_key, load_keys
+from llmhost.gateway.workers import (
+    CORES_PER_WORKER,
+    MAX_AUTO_WORKERS,
+    WORKER_ENV,
+    WorkerPlace,
+    listening_socket,
+    worker_config,
+    worker_count,
+)
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -142,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=LOG_LEVELS)
     p.add_argument("--event-loop", choices=EVENT_LOOPS,
                    help=f"asyncio's own event loop or uvloop (default {d.event_loop})")
+    p.add_argument("--workers", type=_non_negative, metavar="N",
+                   help="gateway processes sharing the port, the keys' limits and the admin API's holds "
+                        f"(default {d.workers}: one per {CORES_PER_WORKER} cores this process may use, 1 to "
+                        f"{MAX_AUTO_WORKERS})")
     return p
 
 
@@ -269,24 +284,60 @@ def main(argv: list[str] | None = None) -> int:
     if not keys:
         print(f"llmhost gateway: {config.keys_file}: holds no keys; nobody could use the gateway", file=sys.stderr)
         return 2
+    place_text = os.environ.pop(WORKER_ENV, None)
+    place = WorkerPlace.parse(place_text) if place_text else None
+    count = place.count if place is not None else worker_count(config.workers)
+    if place is None and count > 1:
+        return supervise_main(config, keys, argv, count)
+    if count > 1:
+        config = worker_config(config, count)
     from llmhost.gateway.accesslog import AccessLog
     from llmhost.gateway.app import create_app
     from llmhost.gateway.metrics import GatewayMetrics
 
     metrics = GatewayMetrics(config.models)
     app = create_app(config, KeyStore(keys), metrics=metrics, access_log=AccessLog())
+    _raise_open_files(config)
+    if place is None:
+        _say_serving(config, len(keys), "one process")
+    run(_serve(app, metrics, config, place), config.event_loop)
+    return 0
+
+
+def _raise_open_files(config: GatewayConfig) -> None:
     # Every connection is a file; the rest (upstream channels, sockets, logs) gets room too.
     open_files = raise_open_files_limit(config.max_connections + OTHER_OPEN_FILES)
     if open_files < config.max_connections + OTHER_OPEN_FILES:
         print(f"llmhost gateway: warning: open files are limited to {open_files}, fewer than "
               f"--max-connections {config.max_connections} needs; raise the limit (LimitNOFILE)",
               file=sys.stderr, flush=True)
+
+
+def _say_serving(config: GatewayConfig, keys: int, processes: str) -> None:
     scheme = "https" if config.tls_cert is not None else "http"
     print(f"llmhost gateway: OpenAI API on {scheme}://{join_host_port(config.listen)}/v1 for "
-          f"{', '.join(config.models)} via {', '.join(config.upstreams)}; {len(keys)} key(s); metrics on "
+          f"{', '.join(config.models)} via {', '.join(config.upstreams)}; {keys} key(s); metrics on "
           f"http://{join_host_port(config.metrics_listen)}/metrics; event loop "
-          f"{config.event_loop}", file=sys.stderr, flush=True)
-    run(_serve(app, metrics, config), config.event_loop)
+          f"{config.event_loop}; {processes}", file=sys.stderr, flush=True)
+
+
+def supervise_main(config: GatewayConfig, keys: list[ApiKey], argv: list[str], count: int) -> int:
+    """COUNT worker processes on the port, each with a socket of its own (workers.supervise)."""
+    from llmhost.gateway.metrics import metrics_app
+    from llmhost.gateway.workers import supervise
+
+    try:
+        sockets = [listening_socket(*config.listen) for _ in range(count)]
+    except OSError as exc:
+        print(f"llmhost gateway: --listen {join_host_port(config.listen)}: cannot listen there: {exc.strerror}",
+              file=sys.stderr)
+        return 2
+
+    def metrics_server(scrape: Any) -> Any:
+        return _side_server(uvicorn_configs(None, metrics_app(scrape), config)[1])
+
+    _say_serving(config, len(keys), f"{count} worker processes")
+    run(supervise(config, keys, argv, sockets, metrics_server), "asyncio")
     return 0
 
 
@@ -311,35 +362,55 @@ def uvicorn_configs(app: Any, metrics_app: Any, config: GatewayConfig) -> tuple[
     return api, side
 
 
-async def _serve(app: Any, metrics: Any, config: GatewayConfig) -> None:
+def _side_server(config: Any) -> Any:
+    """A uvicorn.Server that leaves the signals to the process's own handlers."""
+    import uvicorn
+
+    class Beside(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return Beside(config)
+
+
+async def _serve(app: Any, metrics: Any, config: GatewayConfig, place: WorkerPlace | None = None) -> None:
     """The API server (it takes SIGTERM/SIGINT: stops accepting, lets requests in flight
     finish for up to drain_timeout_s) and, beside it, the metrics server and the
-    upstream health checks, which end with it."""
+    upstream health checks, which end with it. As worker PLACE: on its inherited
+    socket, with the supervisor's shared limits and holds, and no metrics server of
+    its own (the supervisor serves every worker's); it stops when the supervisor is gone."""
     import uvicorn
 
     from llmhost.gateway.metrics import metrics_app
-
-    class _Beside(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:  # the API server's own handle the signals
-            yield
+    from llmhost.gateway.workers import join
 
     api_config, side_config = uvicorn_configs(app, metrics_app(metrics), config)
     api_config.load()  # now, so that its SSL context exists for SIGHUP
     if api_config.ssl is not None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_tls, api_config.ssl, config)
-    api, beside = uvicorn.Server(api_config), _Beside(side_config)
+    api = uvicorn.Server(api_config)
     pool = app.state.gateway.pool
+    sockets: list[socket.socket] | None = None
+    beside = side = None
+    if place is not None:
+        shared = app.state.gateway.shared = await join(place, pool)
+        sockets = [socket.socket(fileno=place.fd)]
+        shared.reading.add_done_callback(lambda _: setattr(api, "should_exit", True))
+    else:
+        beside = _side_server(side_config)
+        side = asyncio.ensure_future(beside.serve())
     health = asyncio.ensure_future(pool.run_health_checks())
-    side = asyncio.ensure_future(beside.serve())
     try:
-        await api.serve()
+        await api.serve(sockets=sockets)
     finally:
-        beside.should_exit = True
+        if beside is not None:
+            beside.should_exit = True
         health.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await health
-        await side
+        if side is not None:
+            await side
         for member in pool.members:
             close = getattr(member.client, "close", None)
             if close is not None:

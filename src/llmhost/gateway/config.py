@@ -14,6 +14,7 @@ unknown key is refused by name. Relative paths are relative to the file's folder
     drain_timeout_s: 30                # --drain-timeout-s; on SIGTERM, in-flight requests get this long
     log_level: warning                 # --log-level: critical, error, warning, info, debug
     event_loop: asyncio                # --event-loop: asyncio (its own loop) or uvloop
+    workers: 0                         # --workers; processes on the port (0: one per 4 cores, 1 to 8)
     engine_sockets:                    # --engine-sockets UPSTREAM=DIR; an upstream on this host: the
       "127.0.0.1:8001": /run/tritonserver/engine  # folder of its engine sockets (streams go there)
     health:
@@ -94,6 +95,8 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0
     log_level: str = "warning"
     event_loop: str = "asyncio"
+    # Processes sharing the port (gateway.workers); 0: one per 4 usable cores, 1 to 8.
+    workers: int = 0
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     health_unhealthy_threshold: int = 3
@@ -127,6 +130,7 @@ _TOP: dict[str, tuple[str, str]] = {
     "max_body_bytes": ("max_body_bytes", "positive_int"), "drain_timeout_s": ("drain_timeout_s", "positive"),
     "log_level": ("log_level", "log_level"), "event_loop": ("event_loop", "event_loop"),
     "engine_sockets": ("engine_sockets", "socket_dirs"), "allow_plaintext": ("allow_plaintext", "bool"),
+    "workers": ("workers", "non_negative_int"),
 }
 # Kinds whose value is one of a few names.
 _CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "event_loop": EVENT_LOOPS}

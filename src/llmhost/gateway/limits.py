@@ -90,6 +90,14 @@ class RateLimited(ApiError):
         super().__init__(err.status, err.message, err.type, err.param, err.code, err.headers)
         self.limit = limit
 
+    @classmethod
+    def of(cls, limit: str, err: ApiError) -> RateLimited:
+        """The refusal ERR (as another process's KeyLimiter made it) for LIMIT."""
+        exc = cls.__new__(cls)
+        ApiError.__init__(exc, err.status, err.message, err.type, err.param, err.code, err.headers)
+        exc.limit = limit
+        return exc
+
 
 class KeyLimiter:
     """The limits of every key, by key name (state lives as long as the process). A key

@@ -23,6 +23,11 @@
   because none was in service for their model (the pool's panic mode).
 - ``llmhost_gateway_upstream_outstanding{upstream}``: requests in flight on it.
 
+With several worker processes (``workers``), the supervisor serves every worker's
+counters and histograms in one /metrics (prometheus_client's multiprocess mode), and
+the upstream gauges from every worker's view: ``up`` and ``state`` as the share of
+workers that see the upstream so, ``outstanding`` and ``panic_routed`` summed.
+
 Labels only take values the gateway knows: a model that is not served is
 ``unknown`` and an unauthenticated request has the key ``""``, so a client cannot
 grow the series without bound.
@@ -48,30 +53,44 @@ TRANSIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 UNKNOWN_MODEL = "unknown"
 
 
-class _PoolCollector(Collector):
-    """The upstream gauges, read from the pool at each scrape."""
+# The upstream gauges: (target, up, requests in flight, {state: value}) per upstream,
+# and the requests routed in panic mode.
+PoolRows = tuple[list[tuple[str, float, float, dict[str, float]]], float]
 
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
+
+def pool_rows(pool: Any) -> PoolRows:
+    """The upstream gauges of one pool (``pool.view()``, ``pool.panic_routed``)."""
+    rows = [(r["target"], 1.0 if r["up"] else 0.0, float(r["outstanding"]),
+             {s: 1.0 if s == r["state"] else 0.0 for s in STATES}) for r in pool.view()]
+    return rows, float(pool.panic_routed)
+
+
+class PoolCollector(Collector):
+    """The upstream gauges, read from ROWS (a function) at each scrape."""
+
+    def __init__(self, rows: Callable[[], PoolRows]) -> None:
+        self.rows = rows
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         up = GaugeMetricFamily("llmhost_gateway_upstream_up", "1 while the upstream is in service, not draining "
-                               "and has a served model ready, else 0", labels=["upstream"])
+                               "and has a served model ready, else 0 (with several workers: the share of "
+                               "workers that route to it)", labels=["upstream"])
         outstanding = GaugeMetricFamily("llmhost_gateway_upstream_outstanding", "Requests of the gateway in "
                                         "flight on the upstream", labels=["upstream"])
-        for target, is_up, count in self.pool.snapshot():
-            up.add_metric([target], 1.0 if is_up else 0.0)
-            outstanding.add_metric([target], float(count))
+        state = GaugeMetricFamily("llmhost_gateway_upstream_state", "1 for the upstream's state in the pool "
+                                  "(in_service, draining, out), 0 for the others (with several workers: the "
+                                  "share of workers that see it so)", labels=["upstream", "state"])
+        rows, panic_routed = self.rows()
+        for target, is_up, count, states in rows:
+            up.add_metric([target], is_up)
+            outstanding.add_metric([target], count)
+            for name in STATES:
+                state.add_metric([target, name], states.get(name, 0.0))
         yield up
         yield outstanding
-        state = GaugeMetricFamily("llmhost_gateway_upstream_state", "1 for the upstream's state in the pool "
-                                  "(in_service, draining, out), 0 for the others", labels=["upstream", "state"])
-        for target, current in self.pool.states():
-            for name in STATES:
-                state.add_metric([target, name], 1.0 if name == current else 0.0)
         yield state
         yield CounterMetricFamily("llmhost_gateway_panic_routed", "Requests sent to an upstream out of service "
-                                  "because none was in service for their model", value=float(self.pool.panic_routed))
+                                  "because none was in service for their model", value=panic_routed)
 
 
 class GatewayMetrics:
@@ -98,9 +117,8 @@ class GatewayMetrics:
                                     ["key", "limit"], registry=self.registry)
 
     def watch_pool(self, pool: Any) -> None:
-        """Serve the upstream gauges of POOL (anything with ``snapshot()``, ``states()``
-        and ``panic_routed``)."""
-        self.registry.register(_PoolCollector(pool))
+        """Serve the upstream gauges of POOL (anything with ``view()`` and ``panic_routed``)."""
+        self.registry.register(PoolCollector(lambda: pool_rows(pool)))
 
     def engine_line(self, model: str, tokens: int, transit_s: float) -> None:
         """One engine socket line read (upstream.Upstream's on_line)."""
@@ -131,15 +149,21 @@ class GatewayMetrics:
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
 
+    async def scrape(self) -> bytes:
+        return self.render()
 
-def metrics_app(metrics: GatewayMetrics) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """The metrics listener: ``GET /metrics``; anything else 404."""
+
+def metrics_app(metrics: GatewayMetrics | Callable[[], Awaitable[bytes]]
+                ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """The metrics listener: ``GET /metrics`` (METRICS' own, or what a scrape function
+    returns: the supervisor of several workers); anything else 404."""
+    scrape = metrics.scrape if isinstance(metrics, GatewayMetrics) else metrics
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
-            status, body, ctype = 200, metrics.render(), CONTENT_TYPE_LATEST
+            status, body, ctype = 200, await scrape(), CONTENT_TYPE_LATEST
         else:
             status, body, ctype = 404, b"not found: only GET /metrics is served here\n", "text/plain"
         await send({"type": "http.response.start", "status": status,

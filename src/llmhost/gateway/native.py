@@ -315,7 +315,7 @@ class NativeApi:
             except (ValueError, RecursionError):
                 raise invalid("the request body is not valid JSON") from None
             req = NativeRequest(model, body, key, stream)
-            self.gw.admit(request, key, req.estimate())
+            await self.gw.admit(request, key, req.estimate())
             line, msg = req.line(), req.message()
             counter = _Counter(rec)
             responses = self._responses(self.gw.pool.stream(model, lambda c: c.native_stream(model, line, msg),

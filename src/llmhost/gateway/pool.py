@@ -200,6 +200,11 @@ class UpstreamPool:
         """(target, up, outstanding) per upstream, for the metrics."""
         return [(m.target, m.up, m.outstanding) for m in self.members]
 
+    def view(self) -> list[dict[str, Any]]:
+        """Every upstream: its state, whether it is held, requests in flight, routable."""
+        return [{"target": m.target, "state": m.state, "held": m.held, "outstanding": m.outstanding, "up": m.up}
+                for m in self.members]
+
     def states(self) -> list[tuple[str, str]]:
         """(target, state) per upstream: in_service, draining or out."""
         return [(m.target, m.state) for m in self.members]
