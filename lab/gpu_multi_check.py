@@ -30,7 +30,7 @@ round 2 vLLM then llmhost. Both TP=2 servers need both GPUs, so they run one aft
 the other. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the rest of
 check.NO_MULTICAST, set before anything starts).
 
-Usage: python3 -m lab.gpu_multi_check OUT [--concurrency 16,64,256] [--phases ...]
+Usage: python3 -m lab.gpu_multi_check OUT [--concurrency 16,64,256] [--phases ...] [--tp 4]
 Writes OUT/result.json, OUT/multi.log, nvidia-smi lists, the rendered and loaded model
 configs, smoke outputs and the servers' log tails. The H100 run of 2026-11-27 is in
 tests/fixtures/gpu/h100x2-580.159.04-real/device-run-2026-11-27-multi/ (its unit test:
@@ -177,8 +177,8 @@ class Bench:
             "dataset": "random", "input_len": 256, "output_len": 128, "ignore_eos": True,
             "concurrency": levels, "requests": {c: requests_for(c) for c in levels}},
             "streaming": {"llmhost": "OpenAI SSE (/v1/completions) from llmhost gateway reading the engine "
-                                     "socket of `llmhost serve --kind KIND_MODEL` (TP=2)",
-                          "vllm": "OpenAI SSE (/v1/completions) from `vllm serve --tensor-parallel-size 2`"},
+                                     f"socket of `llmhost serve --kind KIND_MODEL` (TP={TP})",
+                          "vllm": f"OpenAI SSE (/v1/completions) from `vllm serve --tensor-parallel-size {TP}`"},
             "runs": {"llmhost": [], "vllm": []}, "order": []})
 
     def one(self, side: str, url: str, rnd: int | None) -> None:
@@ -190,7 +190,7 @@ class Bench:
         bench["order"].append(f"round {rnd + 1}: {side}")
         for c in self.levels:
             level, t0, t1 = measure_level(url, NAME, self.model, c, rnd, 256, 128, key)
-            level.update(side=side, gpu_util_pct=[self.gpus.mean(0, t0, t1), self.gpus.mean(1, t0, t1)])
+            level.update(side=side, gpu_util_pct=[self.gpus.mean(i, t0, t1) for i in range(TP)])
             bench["runs"][side].append(level)
             self.run.log(level_line(rnd, side, level, f"GPU {level['gpu_util_pct']}%"))
             self.run.save()
@@ -355,6 +355,7 @@ def vllm_side(run: Run, model: Path, bench: Bench, rounds: list[int]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global TP
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--concurrency", default="16,64,256")
@@ -362,7 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-multi-work"))
     ap.add_argument("--serve-tp-rounds", default="0", help="the bench rounds (from 0) of phase serve_tp")
     ap.add_argument("--vllm-rounds", default="0,1", help="the bench rounds (from 0) of phase vllm")
+    ap.add_argument("--tp", type=int, default=TP, help=f"tensor parallel size (default {TP}); placement "
+                    "uses GPUs 0 and 1 whatever it is")
     args = ap.parse_args(argv)
+    TP = args.tp
     for k, v in check.NO_MULTICAST.items():
         os.environ.setdefault(k, v)
     out = args.out.resolve()
