@@ -7,8 +7,9 @@ the Qwen3-0.6B-shaped random model (lab.gpucheck.model), starts `llmhost serve
 the first GPU and vLLM's OpenAI server on the second (both on one GPU, each with a
 share of its memory, where there is one), and measures them in alternating order per
 round at each concurrency: random prompts of --input-len tokens, --output-len tokens
-out, --ignore-eos. The client runs in this process on the same host; its CPU seconds
-and each GPU's utilisation are recorded per level.
+out, --ignore-eos. The client runs in this process on the same host; its CPU cores,
+each serving process tree's CPU cores (gateway, tritonserver, vLLM's server) and each
+GPU's utilisation are recorded per level.
 
 Usage: python3 -m lab.stream_compare OUT [--rounds 3] [--concurrency 1,16,64,256]
 Writes OUT/result.json (every level's numbers and the medians of the per-round ratios
@@ -18,6 +19,7 @@ gateway / vllm), OUT/compare.log, the servers' log tails and the gateway's /metr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -31,6 +33,7 @@ from typing import Any
 
 from lab.gpucheck.model import make_in_child
 from lab.gpucheck.speed import GATEWAY_KEY, NAME, Gateway, Server, order, tail
+from llmhost.gateway.workers import worker_count
 from llmhost.vllm_bench import client_argv, run_level, summarize
 
 SIDES = ("gateway", "vllm")
@@ -80,6 +83,25 @@ class GpuUse:
 
     def close(self) -> None:
         self.proc.terminate()
+
+
+def tree_cpu_s(server: Any) -> float:
+    """CPU seconds so far of SERVER's process and its descendants (0 when not running)."""
+    import psutil
+
+    proc = getattr(server, "proc", None)
+    if proc is None or proc.poll() is not None:
+        return 0.0
+    total = 0.0
+    try:
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+    except psutil.Error:
+        pass
+    return total
 
 
 def requests_for(concurrency: int) -> int:
@@ -195,17 +217,24 @@ def main(argv: list[str] | None = None) -> int:
                      "dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
                      "ignore_eos": True, "concurrency": levels,
                      "requests": {c: requests_for(c) for c in levels}},
-        "engine_args": engine, "streaming": STREAMING, "runs": {s: [] for s in SIDES}, "order": []}
+        "engine_args": engine, "streaming": STREAMING, "gateway_workers": worker_count(0),
+        "runs": {s: [] for s in SIDES}, "order": []}
     gpu_use = GpuUse()
 
     def save() -> None:
         res["ratios"] = ratios(res["runs"])
         (out / "result.json").write_text(json.dumps(res, indent=1) + "\n")
 
+    # The processes that serve each side: their CPU cores per level say what limited it.
+    parts = {"gateway": {"gateway": gateway, "triton": triton}, "vllm": {"vllm": vllm_side}}
+
     def measure(side: str, concurrency: int, rnd: int | None) -> dict[str, Any]:
+        cpu0 = {name: tree_cpu_s(server) for name, server in parts[side].items()}
         level, t0, t1 = measure_level(servers[side].url, NAME, model, concurrency, rnd, args.input_len,
                                       args.output_len, GATEWAY_KEY if side == "gateway" else None)
-        level.update(side=side, gpu_util_pct=gpu_use.mean(gpu_of["triton" if side == "gateway" else "vllm"], t0, t1))
+        level.update(side=side, gpu_util_pct=gpu_use.mean(gpu_of["triton" if side == "gateway" else "vllm"], t0, t1),
+                     server_cpu_cores={name: round((tree_cpu_s(server) - cpu0[name]) / max(t1 - t0, 1e-9), 2)
+                                       for name, server in parts[side].items()})
         return level
 
     try:
@@ -214,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         for side in SIDES:
             measure(side, 64, None)  # warm-up, not recorded
         log("servers up and warm", out)
-        alternate(res, args.rounds, levels, measure, out, save, lambda level: f"GPU {level['gpu_util_pct']}%")
+        alternate(res, args.rounds, levels, measure, out, save,
+                  lambda level: f"GPU {level['gpu_util_pct']}%  server cores {level['server_cpu_cores']}")
         import urllib.request
 
         req = urllib.request.Request(f"http://127.0.0.1:{gateway.port + 1}/metrics")
