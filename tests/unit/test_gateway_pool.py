@@ -10,6 +10,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.mapping import BackendRequest
 from llmhost.gateway.pool import PoolSettings, UpstreamPool
@@ -200,17 +202,20 @@ def test_a_draining_upstream_is_taken_out_until_its_health_checks_pass():
     assert (a.calls, b.calls) == (2, 3)
 
 
+class Late(Fake):
+    """An upstream whose health checks, while `slow`, never answer (they time out)."""
+
+    slow = False
+
+    async def model_ready(self, model: str) -> bool:
+        if self.slow:
+            await asyncio.Event().wait()
+        return await super().model_ready(model)
+
+
 def test_a_health_check_late_once_turns_no_request_away():
     """Every upstream answers one check late (a busy machine): requests still go through,
     and a lone upstream taken out by late checks is still tried (panic mode)."""
-    class Late(Fake):
-        slow = False
-
-        async def model_ready(self, model: str) -> bool:
-            if self.slow:
-                await asyncio.Event().wait()
-            return await super().model_ready(model)
-
     a = Late("a")
     pool = _pool(a, timeout_s=0.01, unhealthy_threshold=1)
 
@@ -224,6 +229,59 @@ def test_a_health_check_late_once_turns_no_request_away():
             assert r.status_code == 200 and _text(r) == "hello from a!", r.text
             assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["m"]
             assert pool.panic_routed == 1
+
+    asyncio.run(run())
+
+
+def test_one_late_health_check_with_the_default_thresholds_keeps_the_upstream_in_service():
+    """The lone upstream of a busy machine answers one check after its timeout: it stays in
+    service (not only tried in panic mode), and requests before and after are answered."""
+    a = Late("a")
+    pool = _pool(a, timeout_s=0.01)  # default thresholds: out after 3 failures, back after 2 passes
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            await pool.check()
+            a.slow = True
+            await pool.check()
+            assert pool.states() == [("a:1", "in_service")]
+            r = await c.post("/v1/chat/completions", content=chat(stream=True))
+            assert r.status_code == 200 and "hello from a" in r.text, r.text
+            a.slow = False
+            await pool.check()
+            assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from a!"
+
+    asyncio.run(run())
+    assert pool.panic_routed == 0 and a.calls == 2
+
+
+@pytest.mark.parametrize(("unhealthy", "healthy"), [(1, 1), (2, 3), (4, 2)])
+def test_out_after_the_configured_failures_and_back_after_the_configured_passes(unhealthy: int, healthy: int):
+    """Requests follow the states: only to B while A is out, to A again once it is back."""
+    a, b = Fake("a"), Fake("b")
+    pool = _pool(a, b, unhealthy_threshold=unhealthy, healthy_threshold=healthy)
+
+    async def served_by(c: Any) -> set[str]:
+        return {_text(await c.post("/v1/chat/completions", content=chat())) for _ in range(4)}
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            await pool.check()
+            a.reachable = False
+            for _ in range(unhealthy - 1):
+                await pool.check()
+                assert pool.states()[0] == ("a:1", "in_service")
+            await pool.check()
+            assert pool.states()[0] == ("a:1", "out")
+            assert await served_by(c) == {"hello from b!"}
+            a.reachable = True
+            for _ in range(healthy - 1):
+                await pool.check()
+                assert pool.states()[0] == ("a:1", "out")
+                assert await served_by(c) == {"hello from b!"}
+            await pool.check()
+            assert pool.states()[0] == ("a:1", "in_service")
+            assert "hello from a!" in await served_by(c)
 
     asyncio.run(run())
 
