@@ -13,11 +13,38 @@ import sysconfig
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# A reasoning model's markers (the tokens vLLM's reasoning parsers look for, e.g.
+# deepseek_r1 and qwen3), in the tokenizer of a model written with think=True.
+THINK_TOKENS = ["<think>", "</think>"]
 VOCAB_SIZE = 4096
-# ChatML, the template Qwen2 models use.
+# ChatML, the template Qwen2 models use, with Qwen2.5's tool calling (the format of
+# vLLM's "hermes" tool parser): the tools listed in a system turn, an assistant's
+# calls as <tool_call> JSON, a tool's result as a user turn in <tool_response>. A chat
+# without tools renders as plain ChatML.
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
+    " + 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
+    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
@@ -33,8 +60,9 @@ def _corpus_files(limit: int = 400) -> list[str]:
     return files[:limit]
 
 
-def train_tokenizer(out: Path) -> None:
-    """Train the byte-level BPE tokenizer (ChatML template) and save it to ``out``."""
+def train_tokenizer(out: Path, think: bool = False) -> None:
+    """Train the byte-level BPE tokenizer (ChatML template) and save it to ``out``; with
+    THINK, THINK_TOKENS are special tokens too."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -43,7 +71,7 @@ def train_tokenizer(out: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + (THINK_TOKENS if think else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -103,20 +131,21 @@ def readable(path: Path) -> None:
         f.chmod(0o644)
 
 
-def write_tiny_model(out: str | os.PathLike[str], seed: int = 0) -> Path:
-    """Write the tiny model to ``out`` and return its path.
+def write_tiny_model(out: str | os.PathLike[str], seed: int = 0, think: bool = False) -> Path:
+    """Write the tiny model to ``out`` and return its path (THINK: its tokenizer has a
+    reasoning model's <think> and </think> tokens).
 
     Deterministic for a seed: the same seed gives byte-identical weights.
     Refuses to write into a non-empty directory that is not a tiny model it made.
     """
     path = prepare_dir(out, MARKER, "tiny model")
-    train_tokenizer(path)
+    train_tokenizer(path, think)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
     eos_id = tok.convert_tokens_to_ids("<|im_end|>")
     pad_id = tok.convert_tokens_to_ids("<|endoftext|>")
     _write_model(path, seed, eos_id, pad_id)
-    (path / MARKER).write_text(json.dumps({"seed": seed, "vocab_size": VOCAB_SIZE}) + "\n")
+    (path / MARKER).write_text(json.dumps({"seed": seed, "vocab_size": VOCAB_SIZE, "think": think}) + "\n")
     readable(path)
     return path

@@ -18,9 +18,10 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     # /metrics right after a response (vllm_backend's contract) find it counted.
     # The default (periodic pushes only) is what the system tests deploy.
     # pin_frontend_cpus (opt-in), so tests/e2e/test_cpus.py sees the threads moved.
+    # tool_parser hermes (the tiny model's template's format) for tests/e2e/test_tools.py.
     srv = start_server(tiny_model, tmp_path_factory.mktemp("serve"),
                        extra=["--setting", "response_threads=2", "--setting", "fresh_metrics=true",
-                              "--setting", "pin_frontend_cpus=true"])
+                              "--setting", "pin_frontend_cpus=true", "--setting", "tool_parser=hermes"])
     yield srv
     kids = srv.descendants()
     srv.stop()

@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.harness.gateway import KEY, keyed_gateway, stop_gateway
+from tests.harness.gateway import KEY, keyed_gateway, openai_client, stop_gateway
 from tests.harness.vllm_server import vllm_server
 
 PROMPT = "def fibonacci(n):"
@@ -29,10 +29,8 @@ def theirs(tiny_model: Path, server, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="module")
 def ours(server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    gateway = keyed_gateway(server, tmp_path_factory.mktemp("parity-gateway"),
-                            "--engine-sockets", f"{server.grpc}={server.engine_sockets}")
-    yield openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=120)
-    stop_gateway(gateway.proc, gateway.log)
+    with openai_client(server, tmp_path_factory.mktemp("parity-gateway")) as client:
+        yield client
 
 
 def _close(a: list[float | None], b: list[float | None]) -> bool:

@@ -8,6 +8,8 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,3 +70,16 @@ def keyed_gateway(server: Any, work: Path, *flags: str) -> Gateway:
 
 def port_of(gateway: Gateway) -> int:
     return int(gateway.url.rsplit(":", 1)[1].split("/", 1)[0])
+
+
+@contextmanager
+def openai_client(server: Any, work: Path) -> Iterator[Any]:
+    """The official `openai` client of a keyed gateway in front of SERVER that streams
+    from its engine sockets, as `make demo` runs it; the gateway stops when the block ends."""
+    import openai
+
+    gateway = keyed_gateway(server, work, "--engine-sockets", f"{server.grpc}={server.engine_sockets}")
+    try:
+        yield openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=120)
+    finally:
+        stop_gateway(gateway.proc, gateway.log)

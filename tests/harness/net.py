@@ -41,3 +41,10 @@ def free_port() -> int:
                 _GIVEN.add(port)
                 return port
     raise RuntimeError("no port on 127.0.0.1 that was not handed out already (after 200 tries per worker)")
+
+
+# The environment of the engines the tests start (ours and `vllm serve` alike): tool
+# calls forced by tool_choice are held to the tools' JSON schema, which the servers'
+# structured output makes without free whitespace, not to the tool parser's structural
+# tag, whose free whitespace a random model fills until max_tokens (vLLM's own switch).
+ENGINE_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 
 from tests.harness.endpoint import Endpoint
-from tests.harness.net import free_port
+from tests.harness.net import ENGINE_ENV, free_port
 
 READY_TIMEOUT_S = 300
 # What `llmhost serve` prints once it has seen the model ready.
@@ -60,7 +60,7 @@ def _start_once(model: Path, workdir: Path, name: str, extra: list[str] | None) 
     http, grpc, metrics = free_port(), free_port(), free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "serve.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir), **ENGINE_ENV)
     cmd = [
         str(Path(sys.executable).parent / "llmhost"), "serve", "--model", str(model), "--name", name,
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),

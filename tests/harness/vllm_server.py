@@ -16,7 +16,7 @@ from pathlib import Path
 
 import requests
 
-from tests.harness.net import free_port
+from tests.harness.net import ENGINE_ENV, free_port
 
 READY_TIMEOUT_S = 300
 
@@ -34,7 +34,8 @@ def vllm_server(model: Path, workdir: Path, name: str, engine_args: list[str]) -
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "vllm-serve.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1",
-               VLLM_CACHE_ROOT=str(workdir / "vllm-cache"), TMPDIR=str(workdir), PYTHONUNBUFFERED="1")
+               VLLM_CACHE_ROOT=str(workdir / "vllm-cache"), TMPDIR=str(workdir), PYTHONUNBUFFERED="1",
+               **ENGINE_ENV)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
            *engine_args]

@@ -66,7 +66,7 @@ def test_response_format_maps_to_the_backend_json_schema():
 
 
 @pytest.mark.parametrize(("body", "param", "status"), [
-    (_chat(tools=[{"type": "function"}]), "tools", 400),
+    (_chat(tools=[{"type": "function"}]), "tools[0].function", 400),
     (_chat(logprobs="yes"), "logprobs", 400),
     (_chat(logprobs=True, top_logprobs=21), "top_logprobs", 400),
     (_chat(top_logprobs=2), "top_logprobs", 400),

@@ -35,6 +35,8 @@ def merge(a: Chunk, b: Chunk) -> Chunk:
         cumulative_logprobs=[x if y is None else y
                              for x, y in zip(a.cumulative_logprobs, b.cumulative_logprobs, strict=True)],
         logprobs=[_joined(x, y) for x, y in zip(a.logprobs, b.logprobs, strict=True)],
+        messages=(None if a.messages is None or b.messages is None
+                  else [x + y for x, y in zip(a.messages, b.messages, strict=True)]),
     )
 
 

@@ -95,6 +95,11 @@ class BackendSettings:
     # stops one of two CPU hosts sharing a 2-core machine saw the model not unload
     # within tritonserver's exit timeout (docs/performance.md).
     pin_frontend_cpus: bool = False
+    # The vLLM tool parser (vLLM's --tool-call-parser, e.g. "hermes") that finds tool
+    # calls in a chat's output: requests with `tools` and tool_choice auto, required or a
+    # named function need one. "": none; tools are only shown to the chat template.
+    # The reasoning parser is vLLM's own engine argument `reasoning_parser`.
+    tool_parser: str = ""
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,9 @@ class ModelConfig:
 MAXIMA: dict[str, float] = {"response_threads": 64, "stream_interval_ms": 1000.0, "tokenizer_threads": 64}
 # visible_gpus: "" or GPU ids separated by commas.
 _GPU_LIST = re.compile(r"(?:\d+(?:,\d+)*)?")
+# String settings holding a name (checked against vLLM's registry when the engine starts).
+NAMES = ("tool_parser",)
+_NAME = re.compile(r"[A-Za-z0-9_.-]*")
 # String settings with a fixed set of values.
 CHOICES: dict[str, tuple[str, ...]] = {"engine_start_method": ("spawn", "fork")}
 # Integer settings whose smallest value is not 1.
@@ -128,6 +136,11 @@ def _check_type(name: str, value: Any, default: Any) -> Any:
         if not isinstance(value, str) or value not in CHOICES[name]:
             raise ConfigError(f"model.json: llmhost.{name} must be one of {', '.join(CHOICES[name])}, "
                               f"got {value!r}")
+        return value
+    if name in NAMES:
+        if not isinstance(value, str) or not _NAME.fullmatch(value):
+            raise ConfigError(f"model.json: llmhost.{name} must be a parser's name (letters, digits, _ . -) "
+                              f"or \"\", got {value!r}")
         return value
     if isinstance(default, str):
         if not isinstance(value, str) or not _GPU_LIST.fullmatch(value):

@@ -26,6 +26,7 @@ from llmhost.backend.lora import find_adapter, lora_request
 from llmhost.backend.metrics import ServingMetrics
 from llmhost.backend.outputs import Position, position, positions
 from llmhost.backend.prompts import UTF8_MAX_BYTES, PromptEncoder, derived_prompt_bytes, longest_token_chars
+from llmhost.backend.replies import ChatParsing
 from llmhost.backend.request import GenerateJob, RequestLimits, client_label
 from llmhost.backend.watchdog import (
     WATCH_INTERVAL_S,
@@ -89,6 +90,10 @@ class Chunk:
     # first response only: per prompt token, its own entry first, then the top k; the
     # first token has no log probability (null), only its text.
     prompt_logprobs: list[Position] | None = None
+    # A chat parsed by vLLM's tool and reasoning parsers (llmhost.backend.replies): per
+    # completion, its streamed deltas since the previous response, or its whole message
+    # (one item) in the final response of a request not streamed; None: plain text.
+    messages: list[list[dict[str, Any]]] | None = None
 
 
 class Sink(Protocol):
@@ -199,6 +204,7 @@ class EngineRunner:
         self._multimodal = False  # vLLM's model config says the model takes images
         self._pooling = False  # vLLM's model config says the model pools (embeddings), not generates
         self._architectures: list[str] = []  # the model's, as vLLM's model config names them
+        self._chat: ChatParsing | None = None  # the model's tool and reasoning parsers (replies.py)
         self._limits: RequestLimits | None = None
         self._stop_server = stop_server or stop_tritonserver
         self._watch = EngineWatch()
@@ -284,6 +290,8 @@ class EngineRunner:
             self._multimodal = bool(getattr(self._engine.model_config, "is_multimodal_model", False))
             self._pooling = getattr(self._engine.model_config, "runner_type", "generate") == "pooling"
             self._architectures = [str(a) for a in getattr(self._engine.model_config, "architectures", None) or []]
+            self._chat = ChatParsing(self._tokenizer, self._engine.model_config, self.config.settings.tool_parser,
+                                     str(self.config.engine_args.get("reasoning_parser") or ""))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             failure.append(exc)
             if self._engine is not None:  # built, then something after failed: no EngineCore left behind
@@ -508,7 +516,7 @@ class EngineRunner:
             prompt["multi_modal_data"] = {"image": await self._encoder.images(job.images)}
         return prompt, len(ids)
 
-    def _sampling_params(self, job: GenerateJob, prompt_len: int) -> Any:
+    def _sampling_params(self, job: GenerateJob, prompt_len: int, parsed: dict[str, Any] | None = None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -522,9 +530,13 @@ class EngineRunner:
             # sampled token's alone (0 more) costs least.
             kwargs["logprobs"] = 0
         kind = RequestOutputKind.DELTA if job.stream else RequestOutputKind.FINAL_ONLY
+        parsed = dict(parsed or {})
         try:
-            if structured is not None:
+            if "structured_outputs" in parsed:  # vLLM's parsers built it (replies.py)
+                kwargs["structured_outputs"] = parsed.pop("structured_outputs")
+            elif structured is not None:
                 kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
+            kwargs.update(parsed)
             return SamplingParams(**kwargs, output_kind=kind)
         except Exception as exc:  # vLLM's validation of the parameters
             reason, message = classify(exc)
@@ -596,11 +608,20 @@ class EngineRunner:
         metrics = self.metrics
         counts: list[int] = []  # output tokens of each completion, as sent to the sink
         try:
+            replies = None
+            if self._chat is not None and not (self._pooling or job.embed):
+                replies = self._chat.replies(job, int(job.sampling.get("n") or 1))
             prompt, prompt_len = await self._prompt(job)
             if self._pooling or job.embed:
                 await self._embed(active, prompt, prompt_len, sink)
                 return
-            params = self._sampling_params(job, prompt_len)
+            reasoning: dict[str, Any] = {}
+            if replies is not None:
+                params = self._sampling_params(job, prompt_len, replies.adjust(prompt["prompt_token_ids"]))
+                if self._chat is not None and self._chat.reasoning_parser:
+                    reasoning["reasoning_ended"] = replies.reasoning_ended()
+            else:
+                params = self._sampling_params(job, prompt_len)
             n = params.n
             counts = [0] * n
             reasons = [""] * n
@@ -610,10 +631,12 @@ class EngineRunner:
             want_prompt = job.sampling.get("prompt_logprobs") is not None
             prompt_positions: list[Position] | None = None
             texts, step, tops = self._blank(n, want_logprobs)
+            said: list[list[dict[str, Any]]] = [[] for _ in range(n)]  # parsed deltas or messages (replies)
+            ids: list[list[int]] = [[] for _ in range(n)]  # a request not streamed: each completion's tokens
             # The adapter, when the request names one (checked again: the model's adapters are fixed at load).
             lora = ({"lora_request": lora_request(find_adapter(job.lora_name, self.config.adapters))}
                     if job.lora_name is not None else {})
-            async for out in self._engine.generate(prompt, params, active.request_id, **lora):
+            async for out in self._engine.generate(prompt, params, active.request_id, **lora, **reasoning):
                 # The prompt as the engine counts it: a multimodal model's image
                 # placeholders are expanded there (vLLM's server counts them as prompt
                 # tokens in its usage too).
@@ -638,6 +661,14 @@ class EngineRunner:
                     top = tops[i]
                     if top is not None:
                         top.extend(positions(co.logprobs))
+                    if replies is not None and job.stream:
+                        delta = replies.delta(i, co.text, list(co.token_ids), co.finish_reason is not None)
+                        if delta is not None:
+                            said[i].append(delta)
+                        if co.finish_reason is not None:
+                            reasons[i] = replies.stream_finish(i, reasons[i])
+                    elif replies is not None:
+                        ids[i] += co.token_ids
                 if out.finished and self._stats and self.config.settings.fresh_metrics:
                     await self._stats_caught_up()
                 if not (job.stream or out.finished):
@@ -645,10 +676,16 @@ class EngineRunner:
                 counts = [a + b for a, b in zip(counts, step, strict=True)]
                 if out.finished and not job.exclude_input and not job.stream and job.prompt is not None:
                     texts = [job.prompt + t for t in texts]
+                if replies is not None and not job.stream:
+                    for i in range(n):
+                        message, reasons[i] = replies.message(i, texts[i], ids[i], reasons[i] or "stop")
+                        said[i] = [message]
                 sink.send(Chunk(texts, list(reasons), prompt_len, step, final=out.finished,
                                 cumulative_logprobs=list(cumulative) if job.return_cumulative_logprob else [],
-                                logprobs=tops if job.return_logprobs else [], prompt_logprobs=prompt_positions))
+                                logprobs=tops if job.return_logprobs else [], prompt_logprobs=prompt_positions,
+                                messages=said if replies is not None else None))
                 prompt_positions = None
+                said = [[] for _ in range(n)]
                 finished = out.finished
                 texts, step, tops = self._blank(n, want_logprobs)
             if not finished:

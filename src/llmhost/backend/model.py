@@ -76,6 +76,8 @@ OUTPUTS: list[dict[str, Any]] = [
     # An embedding model's answer, and the prompt's log probabilities (llmhost.backend.outputs).
     {"name": "embedding", "data_type": "TYPE_FP32", "dims": [-1]},
     {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [1]},
+    # A chat's reasoning, content and tool calls, parsed by vLLM's parsers (llmhost.backend.replies).
+    {"name": "message", "data_type": "TYPE_STRING", "dims": [-1]},
 ]
 INPUT_NAMES = [i["name"] for i in INPUTS]
 # Queue items the I/O thread takes at once. Everything queued, in practice: the

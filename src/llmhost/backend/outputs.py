@@ -20,6 +20,14 @@ carries ``prompt_logprobs`` (STRING, one element): JSON, per prompt token, an ob
 token id -> ``{"logprob", "rank", "decoded_token"}``, the prompt's own token first, then
 the top k; the first token's log probability is null (nothing comes before it).
 
+A chat that vLLM's tool or reasoning parser reads (a request with ``tools``, or a
+model with a reasoning parser: llmhost.backend.replies) carries ``message`` (STRING),
+per completion a JSON list: when streaming, the completion's deltas since the previous
+response as vLLM's server streams them (``content``, ``reasoning``, ``tool_calls``);
+otherwise, in the final response, one item: its whole message (``content``,
+``reasoning``, ``tool_calls``). Its ``finish_reason`` is vLLM's server's
+(``tool_calls`` where tools were called).
+
 An embedding model (vLLM's pooling runner) answers with one final response whose
 ``embedding`` (FP32) holds the prompt's embedding, whatever was asked.
 
@@ -87,4 +95,6 @@ def response_outputs(chunk: Any, flags: frozenset[str], counted: bool) -> dict[s
         out["embedding"] = chunk.embedding
     if chunk.prompt_logprobs is not None:  # asked with the prompt_logprobs sampling parameter
         out["prompt_logprobs"] = [json.dumps(chunk.prompt_logprobs)]
+    if chunk.messages is not None:  # a chat parsed by the model's tool or reasoning parser
+        out["message"] = [json.dumps(m) for m in chunk.messages]
     return out

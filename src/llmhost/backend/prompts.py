@@ -45,6 +45,18 @@ def derived_prompt_bytes(max_model_len: int, longest_token: int) -> int:
     return max_model_len * longest_token * UTF8_MAX_BYTES
 
 
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """MESSAGES as chat templates take them: an assistant's tool call arguments as objects,
+    not JSON text (vLLM's own conversion, on a copy)."""
+    if not any(m.get("tool_calls") for m in messages):
+        return messages
+    from vllm.renderers.chat_utils import _postprocess_messages
+
+    out = copy.deepcopy(messages)
+    _postprocess_messages(out)  # type: ignore[arg-type]
+    return out
+
+
 class WorkerPool:
     """``threads`` daemon threads running blocking calls for an asyncio loop."""
 
@@ -138,7 +150,9 @@ class PromptEncoder:
         tok = self._tokenizer()
         if job.messages is not None:
             try:
-                text = tok.apply_chat_template(job.messages, tokenize=False, add_generation_prompt=True)
+                tools = {"tools": job.tools} if job.tools else {}
+                text = tok.apply_chat_template(template_messages(job.messages), tokenize=False,
+                                               add_generation_prompt=True, **tools)
             except Exception as exc:  # noqa: BLE001 - the template itself can reject a conversation
                 raise RequestError(safe_message(f"the model's chat template rejected 'messages': {exc}")) from None
             ids = tok.encode(text, add_special_tokens=False)

@@ -40,6 +40,16 @@ STREAM_INTERVAL = "stream_interval_ms"
 EMBED = "embed"
 BOOL_INPUTS = (STREAM, EXCLUDE_INPUT, *RETURN_FLAGS)
 MAX_MESSAGES = 1024
+# A chat message's keys: OpenAI's, with an assistant's tool calls and a tool result's id.
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
+# OpenAI's tool fields, taken from the request's parameters (sampling_parameters or
+# request parameters) for a chat: the tools the model may call, which it must call,
+# and whether it may call several at once.
+TOOLS = "tools"
+TOOL_CHOICE = "tool_choice"
+PARALLEL_TOOL_CALLS = "parallel_tool_calls"
+# OpenAI's own bound on tools in one request.
+MAX_TOOLS = 128
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # JSON text of 'messages' may be this much larger than the limit on its contents:
 # an escape (\u0001) takes 6 bytes for a 1-byte character, plus keys and roles.
@@ -78,7 +88,7 @@ class RequestLimits:
 @dataclass
 class GenerateJob:
     prompt: str | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     stream: bool
     exclude_input: bool
     sampling: dict[str, Any]
@@ -105,6 +115,11 @@ class GenerateJob:
     prompt_token_ids: list[int] | None = None
     # The request parameter EMBED: the client wants an embedding, not generated text.
     embed: bool = False
+    # A chat's tools (OpenAI's function tools), tool_choice and parallel_tool_calls, as
+    # parse_tools checked them; None: not given.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def returns(self) -> frozenset[str]:
         """The additional outputs asked for, as the names of their return_* inputs,
@@ -175,36 +190,98 @@ def token_ids(value: Any) -> list[int]:
     return flat
 
 
-def parse_messages(text: str) -> list[dict[str, str]]:
+def parse_messages(text: str) -> list[dict[str, Any]]:
     messages = jsonguard.loads(text, "input 'messages'")
     if not isinstance(messages, list) or not messages:
         raise RequestError("input 'messages' must be a non-empty JSON list of {\"role\", \"content\"} objects")
     if len(messages) > MAX_MESSAGES:
         raise RequestError(f"input 'messages' holds {len(messages)} messages; at most {MAX_MESSAGES} are allowed")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise RequestError(f"messages[{i}] must be an object with 'role' and 'content', got {type(msg).__name__}")
-        extra = sorted(set(msg) - {"role", "content", "name"})
+        extra = sorted(set(msg) - set(MESSAGE_KEYS))
         if extra:
-            raise RequestError(f"messages[{i}] has unknown key(s) {extra}; allowed: role, content, name")
+            raise RequestError(f"messages[{i}] has unknown key(s) {extra}; allowed: {', '.join(MESSAGE_KEYS)}")
         role, content = msg.get("role"), msg.get("content")
         if role not in CHAT_ROLES:
             raise RequestError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
-        if not isinstance(content, str):
+        if "tool_calls" in msg:
+            if role != "assistant":
+                raise RequestError(f"messages[{i}].tool_calls belongs to an assistant message, not {role!r}")
+            msg["tool_calls"] = _tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
+        if content is None and msg.get("tool_calls"):
+            pass  # an assistant turn that only called tools
+        elif not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string, got {type(content).__name__}")
-        if "name" in msg and not isinstance(msg["name"], str):
-            raise RequestError(f"messages[{i}].name must be a string, got {type(msg['name']).__name__}")
-        for key in ("content", "name"):
+        for key in ("name", "tool_call_id"):
+            if key in msg and not isinstance(msg[key], str):
+                raise RequestError(f"messages[{i}].{key} must be a string, got {type(msg[key]).__name__}")
+        for key in ("content", "name", "tool_call_id"):
             try:
-                msg.get(key, "").encode("utf-8")
+                (msg.get(key) or "").encode("utf-8")
             except UnicodeEncodeError as exc:
                 raise RequestError(f"messages[{i}].{key} is not valid Unicode: a lone surrogate at "
                                    f"position {exc.start}") from None
         out.append({k: v for k, v in msg.items()})
-    if all(not m["content"].strip() for m in out):
+    if all(not (m["content"] or "").strip() and not m.get("tool_calls") for m in out):
         raise RequestError("input 'messages' has no content: every message is empty")
     return out
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    if not isinstance(value, list):
+        raise RequestError(f"{where} must be a list of tool calls")
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                or call.get("type", "function") != "function"):
+            raise RequestError(f"{where}[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                               f"\"arguments\"}}}}")
+        if not isinstance(function.get("arguments", ""), (str, dict)):
+            raise RequestError(f"{where}[{j}].function.arguments must be a JSON string")
+    return value
+
+
+def parse_tools(params: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None,
+                                                 bool | None]:
+    """Take 'tools', 'tool_choice' and 'parallel_tool_calls' (OpenAI's) out of PARAMS,
+    checked as vLLM's server checks them: tools are functions with names, a tool_choice
+    is "none", "auto", "required" or {"type": "function", "function": {"name"}} naming
+    one of the tools, and needs tools unless it is "none"."""
+    tools, choice = params.pop(TOOLS, None), params.pop(TOOL_CHOICE, None)
+    parallel = _pop_bool(params, PARALLEL_TOOL_CALLS)
+    names: list[str] = []
+    if tools is not None:
+        if not isinstance(tools, list) or not tools:
+            raise RequestError("'tools' must be a non-empty list of {\"type\": \"function\", \"function\": {...}}")
+        if len(tools) > MAX_TOOLS:
+            raise RequestError(f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS}")
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if (not isinstance(function, dict) or tool.get("type", "function") != "function"
+                    or not isinstance(function.get("name"), str) or not function["name"]):
+                raise RequestError(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+            names.append(function["name"])
+    if choice is None or choice == "none":
+        return tools, choice, parallel
+    if choice in ("auto", "required"):
+        pass
+    elif isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise RequestError("'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                               "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if tools is not None and name not in names:
+            raise RequestError(f"'tool_choice.function.name' names {name[:64]!r}, which is not one of 'tools'")
+    else:
+        raise RequestError(f"'tool_choice' must be \"none\", \"auto\", \"required\" or a named function, "
+                           f"got {str(choice)[:40]!r}")
+    if tools is None:
+        raise RequestError("'tool_choice' needs 'tools'")
+    return tools, choice, parallel
 
 
 def _parameters(sampling_json: str | None, request_params: str | dict[str, Any] | None) -> dict[str, Any]:
@@ -255,8 +332,8 @@ def _parameters_too_big(size: int) -> RequestError:
     return RequestError(f"input 'sampling_parameters' is {size} bytes; at most {MAX_PARAMETERS_BYTES} are allowed")
 
 
-def _message_bytes(messages: list[dict[str, str]]) -> int:
-    return sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
+def _message_bytes(messages: list[dict[str, Any]]) -> int:
+    return sum(len((m["content"] or "").encode("utf-8", "surrogatepass")) for m in messages)
 
 
 def parse_request(
@@ -276,7 +353,7 @@ def parse_request(
         raise RequestError("missing input: give 'text_input' (a prompt) or 'messages' (a JSON chat list)")
 
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     ids: list[int] | None = None
     if has_ids:
         ids = token_ids(inputs[PROMPT_TOKEN_IDS])
@@ -318,6 +395,9 @@ def parse_request(
         raise RequestError(f"input '{EXCLUDE_INPUT}' cannot be false when streaming: a stream's responses "
                            "carry only generated text; leave it out or set it true")
     lora_name = request_lora_name(params)
+    tools, tool_choice, parallel = parse_tools(params)
+    if (tools is not None or parallel is not None) and messages is None:
+        raise RequestError("'tools' are for a chat: give 'messages', not a prompt")
     images = parse_images(inputs[IMAGE]) if inputs.get(IMAGE) is not None else []
     sampling = validate_sampling(params, settings, limits.max_model_len if limits is not None else None)
     return GenerateJob(
@@ -336,4 +416,7 @@ def parse_request(
         images=images,
         prompt_token_ids=ids,
         embed=embed,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
     )

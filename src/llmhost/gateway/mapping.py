@@ -13,8 +13,10 @@ from llmhost.gateway.openai_models import (
     MAX_EMBEDDING_INPUTS,
     UNSUPPORTED_COMMON,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     EmbeddingRequest,
+    NamedToolChoice,
     ResponseFormat,
 )
 
@@ -33,7 +35,7 @@ class BackendRequest:
 
     model: str
     text_input: str | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     sampling: dict[str, Any]
     stream: bool
     n: int
@@ -65,7 +67,8 @@ class BackendRequest:
 MAX_PROMPTS = 256
 
 # Names pydantic puts into an error's location for the member of a union.
-_UNION_TAGS = frozenset({"str", "list[str]", "list[TextPart]", "list[int]", "list[list[int]]"})
+_UNION_TAGS = frozenset({"str", "list[str]", "list[TextPart]", "list[int]", "list[list[int]]", "dict[str,any]",
+                         "literal['none','auto','required']", "NamedToolChoice"})
 
 
 def _param(loc: tuple[Any, ...]) -> str:
@@ -78,9 +81,9 @@ def _param(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _validation_error(exc: ValidationError) -> Exception:
+def _validation_error(exc: ValidationError, within: tuple[str, ...] = ()) -> Exception:
     err = exc.errors(include_url=False)[0]
-    loc = tuple(p for p in err["loc"] if p not in _UNION_TAGS)
+    loc = within + tuple(p for p in err["loc"] if p not in _UNION_TAGS)
     param = _param(loc) or None
     if err["type"] == "extra_forbidden":
         return unsupported(param or "?", "is not a known field")
@@ -141,6 +144,12 @@ def parse_body(raw: bytes, chat: bool) -> ChatCompletionRequest | CompletionRequ
         raise unsupported("echo", "is served on /v1/completions")
     body = {k: v for k, v in body.items() if not (chat and k == "echo")}
     body = {k: v for k, v in body.items() if not (k in UNSUPPORTED_COMMON and v in (None, False))}
+    if chat and isinstance(body.get("tool_choice"), dict):
+        # A named function: its own errors, not those of the union's string choices.
+        try:
+            NamedToolChoice.model_validate(body["tool_choice"])
+        except ValidationError as exc:
+            raise _validation_error(exc, ("tool_choice",)) from None
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
         return model.model_validate(body)
@@ -203,8 +212,52 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _content(content: str | list[Any]) -> str:
+def _content(content: str | list[Any] | None) -> str:
+    if content is None:
+        return ""
     return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+def _message(m: ChatMessage, i: int) -> dict[str, Any]:
+    """One chat message as the backend takes it (an assistant's tool calls with it)."""
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise invalid(f"'messages[{i}].content' is null; only an assistant message with tool_calls may "
+                      "leave it out", f"messages[{i}].content")
+    if m.tool_calls is not None and m.role != "assistant":
+        raise invalid(f"'messages[{i}].tool_calls' belongs to an assistant message", f"messages[{i}].tool_calls")
+    msg: dict[str, Any] = {"role": m.role, "content": _content(m.content)}
+    if m.name is not None:
+        msg["name"] = m.name
+    if m.tool_calls:
+        msg["tool_calls"] = [call.model_dump(exclude_none=True) for call in m.tool_calls]
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    return msg
+
+
+def _tools(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The backend's tool fields (llmhost.backend.request.parse_tools), checked as vLLM's
+    server checks them: a tool_choice other than "none" needs tools, and a named one
+    must name one of them."""
+    out: dict[str, Any] = {}
+    choice = req.tool_choice
+    if req.tools is not None:
+        if not req.tools:
+            raise invalid("'tools' is empty: give at least one tool or leave the field out", "tools")
+        out["tools"] = [tool.model_dump(exclude_none=True) for tool in req.tools]
+    if choice is not None and choice != "none" and req.tools is None:
+        raise invalid("'tool_choice' needs 'tools'", "tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        names = [tool.function.name for tool in req.tools or ()]
+        if choice.function.name not in names:
+            raise invalid(f"'tool_choice.function.name' is {choice.function.name[:64]!r}, which is not one of "
+                          "'tools'", "tool_choice.function.name")
+        out["tool_choice"] = choice.model_dump()
+    elif choice is not None:
+        out["tool_choice"] = choice
+    if req.parallel_tool_calls is not None and req.tools is not None:
+        out["parallel_tool_calls"] = req.parallel_tool_calls
+    return out
 
 
 def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None = None) -> BackendRequest:
@@ -237,12 +290,8 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
     prompt_token_ids: list[int] | None = None
     batch: list[str | list[int]] = []
     if isinstance(req, ChatCompletionRequest):
-        messages = []
-        for m in req.messages:
-            msg = {"role": m.role, "content": _content(m.content)}
-            if m.name is not None:
-                msg["name"] = m.name
-            messages.append(msg)
+        messages = [_message(m, i) for i, m in enumerate(req.messages)]
+        sampling.update(_tools(req))
     else:
         prompts = _prompts(req.prompt)
         if req.echo and (len(prompts) > 1 or isinstance(prompts[0], list)):

@@ -10,8 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 # Fields of OpenAI's (or vLLM's) API that exist but are not served here.
-UNSUPPORTED_COMMON = ("logit_bias", "suffix", "best_of", "tools",
-                      "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
+UNSUPPORTED_COMMON = ("logit_bias", "suffix", "best_of", "functions", "function_call", "audio",
                       "modalities", "prediction", "store", "metadata", "service_tier", "reasoning_effort",
                       "web_search_options", "use_beam_search")
 
@@ -26,11 +25,16 @@ class StreamOptions(_Strict):
     include_usage: StrictBool | None = None
 
 
-class JsonSchemaFormat(_Strict):
+class _Schema(_Strict):
+    """A named JSON schema: a response format's, or a function tool's parameters'."""
+
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
+
+
+class JsonSchemaFormat(_Schema):
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
 class ResponseFormat(_Strict):
@@ -43,10 +47,44 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    # JSON text, as OpenAI sends it (an object is taken too, as vLLM's server takes it).
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
+    # None only for an assistant turn that called tools.
+    content: str | list[TextPart] | None
     name: str | None = None
+    # An assistant's tool calls, and the call a tool's result answers (OpenAI's).
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Schema):
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _Sampling(_Strict):
@@ -93,6 +131,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     response_format: ResponseFormat | None = None
+    # Function tools the model may call, which it must call, and whether several at once.
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 # The most inputs one embeddings request may hold (OpenAI's own bound).

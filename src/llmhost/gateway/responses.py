@@ -114,6 +114,9 @@ class Accumulator:
         self.num_output = [0] * n
         self.logprobs: list[list[Position]] = [[] for _ in range(n)]
         self.prompt_logprobs: str | None = None  # the backend's JSON, from the first piece with it
+        # Per choice, its message as the model's parsers read it (content, reasoning,
+        # tool_calls); None: its text is the content.
+        self.messages: list[dict[str, Any] | None] = [None] * n
 
     def add(self, piece: Piece) -> list[list[Position]]:
         """Adds PIECE; returns its own log probabilities per choice (parsed once here)."""
@@ -124,6 +127,12 @@ class Accumulator:
         for i, raw in enumerate(piece.logprobs[:len(self.logprobs)]):
             added[i] = positions(raw)
             self.logprobs[i] += added[i]
+        for i, raw in enumerate(piece.messages[:len(self.messages)]):
+            said = json.loads(raw) if raw else []
+            if said and not piece.final:
+                continue  # a stream's deltas: sent as they come (stream_chunks)
+            if said:
+                self.messages[i] = said[-1]
         if piece.num_input_tokens is not None:
             self.num_input = piece.num_input_tokens
         if piece.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -139,11 +148,26 @@ def _logprobs(req: BackendRequest, tokens: list[Position], offset: int = 0) -> d
     return chat_logprobs(tokens, req.logprobs) if req.chat else completion_logprobs(tokens, req.logprobs, offset)[0]
 
 
+def _message(text: str, parsed: dict[str, Any] | None) -> dict[str, Any]:
+    """A chat choice's message: its text, or what the model's parsers made of it."""
+    if parsed is None:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", **parsed}
+
+
+def _deltas(piece: Piece, n: int) -> list[list[dict[str, Any]]] | None:
+    """Per choice, the piece's parsed deltas (None: the piece carries plain text)."""
+    if not piece.messages:
+        return None
+    out: list[list[dict[str, Any]]] = [json.loads(raw) if raw else [] for raw in piece.messages[:n]]
+    return out + [[] for _ in range(n - len(out))]
+
+
 def completion_body(req: BackendRequest, acc: Accumulator, rid: str, created: int) -> dict[str, Any]:
     shown = vllm_prompt_logprobs(acc.prompt_logprobs) if req.prompt_logprobs else None
     if req.chat:
         choices: list[dict[str, Any]] = [
-            {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": _logprobs(req, acc.logprobs[i]),
+            {"index": i, "message": _message(text, acc.messages[i]), "logprobs": _logprobs(req, acc.logprobs[i]),
              "finish_reason": acc.reasons[i]} for i, text in enumerate(acc.texts)]
         body: dict[str, Any] = {"id": rid, "object": "chat.completion"}
         if req.prompt_logprobs:
@@ -171,12 +195,14 @@ def chunk(req: BackendRequest, rid: str, created: int, choices: list[dict[str, A
 
 
 def _choice(req: BackendRequest, i: int, text: str | None, reason: str | None, role: bool = False,
-            logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+            logprobs: dict[str, Any] | None = None, parsed: dict[str, Any] | None = None) -> dict[str, Any]:
     if req.chat:
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
-        if text is not None:
+        if parsed is not None:
+            delta.update(parsed)
+        elif text is not None:
             delta["content"] = text
         return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
@@ -198,6 +224,27 @@ class _StreamLogprobs:
             return chat_logprobs(tokens, self.req.logprobs)
         out, self.offsets[i] = completion_logprobs(tokens, self.req.logprobs, self.offsets[i])
         return out
+
+
+def _parsed_rounds(req: BackendRequest, piece: Piece, deltas: list[list[dict[str, Any]]],
+                   finished: list[str | None], added: list[list[Position]], acc: Accumulator, before: list[int],
+                   logprobs: _StreamLogprobs) -> list[list[dict[str, Any]]]:
+    """The choices of the chunks for one piece of a parsed chat: as vLLM's server, one
+    chunk per delta (the k-th delta of every choice in the k-th chunk), the finish
+    reason and the piece's log probabilities with a choice's last one; a choice with no
+    delta gets an empty one only for its finish reason or its tokens' log probabilities."""
+    rounds: list[list[dict[str, Any]]] = [[] for _ in range(max((len(d) for d in deltas), default=0) or 1)]
+    for i, said in enumerate(deltas):
+        reason = None if finished[i] is not None else _finish(piece.finish_reasons, i)
+        lp = logprobs.of(added[i], i) if req.logprobs is not None and acc.num_output[i] > before[i] else None
+        if not said and reason is None and lp is None:
+            continue
+        said = said or [{}]
+        for k, delta in enumerate(said):
+            last = k == len(said) - 1
+            rounds[k].append(_choice(req, i, None, reason if last else None, logprobs=lp if last else None,
+                                     parsed=delta))
+    return [choices for choices in rounds if choices]
 
 
 async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIterator[Piece],
@@ -224,6 +271,11 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
             piece = pieces.pop()
             before, finished = list(acc.num_output), list(acc.reasons)
             added = acc.add(piece)
+            deltas = _deltas(piece, req.choices) if req.chat else None
+            if deltas is not None:
+                for choices in _parsed_rounds(req, piece, deltas, finished, added, acc, before, logprobs):
+                    yield head + _encode(choices).encode() + tail
+                continue
             choices = []
             for i in range(req.choices):
                 text = piece.texts[i] if i < len(piece.texts) else ""

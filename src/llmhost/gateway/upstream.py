@@ -73,6 +73,9 @@ class Piece:
     embedding: list[float] = field(default_factory=list)
     # The prompt's log probabilities (JSON, llmhost.backend.outputs), in the first piece.
     prompt_logprobs: str | None = None
+    # A chat read by the model's tool or reasoning parser: per completion, JSON of a list
+    # of vLLM's deltas (streamed) or of its one whole message (llmhost.backend.outputs).
+    messages: list[str] = field(default_factory=list)
 
 
 # What the gateway asks of the backend besides the prompt: the same on both paths.
@@ -114,7 +117,8 @@ def socket_piece(outputs: dict[str, list[Any]], final: bool) -> Piece:
                  num_input_tokens=inputs[0] if inputs else None,
                  num_output_tokens=outputs.get("num_output_tokens", []), final=final,
                  logprobs=outputs.get("logprobs", []), embedding=outputs.get("embedding", []),
-                 prompt_logprobs=next(iter(outputs.get("prompt_logprobs", ())), None))
+                 prompt_logprobs=next(iter(outputs.get("prompt_logprobs", ())), None),
+                 messages=outputs.get("message", []))
 
 
 def _bytes_tensor(values: list[bytes]) -> bytes:
