@@ -1,0 +1,106 @@
+"""A reasoning model's thinking through the gateway, with the official `openai` client,
+against vLLM's own server (`--reasoning-parser deepseek_r1`) on the same tiny model
+(its tokenizer with <think> and </think>): at temperature 0 the same reasoning and
+content, as `reasoning` (and `reasoning_content`) in the message and in the streamed
+deltas. The model's reasoning parser is vLLM's own engine argument."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.e2e.test_openai_parity import ENGINE_ARGS
+from tests.harness.gateway import openai_client
+from tests.harness.server import Server, start_server, wait_gone
+from tests.harness.vllm_server import vllm_server
+
+PARSER = "deepseek_r1"
+MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from llmhost.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-thinker"), seed=0, think=True)
+
+
+@pytest.fixture(scope="module")
+def served(thinker: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(thinker, tmp_path_factory.mktemp("serve-thinker"), name="thinker",
+                       extra=["--engine-arg", f"reasoning_parser={PARSER}"])
+    yield srv
+    kids = srv.descendants()
+    srv.stop()
+    assert not wait_gone(kids)
+
+
+@pytest.fixture(scope="module")
+def ours(served: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    with openai_client(served, tmp_path_factory.mktemp("thinker-gateway")) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def theirs(thinker: Path, ours: openai.OpenAI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    with vllm_server(thinker, tmp_path_factory.mktemp("vllm-thinker"), "thinker",
+                     [*ENGINE_ARGS, "--reasoning-parser", PARSER]) as vllm:
+        yield openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=120)
+
+
+KW: dict[str, Any] = {"model": "thinker", "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
+
+
+def _said(message: Any) -> tuple[str | None, str | None]:
+    extra = message.model_extra or {}
+    return extra.get("reasoning"), message.content
+
+
+def test_reasoning_matches_vllm_serve(ours, theirs):
+    mine, vllms = ours.chat.completions.create(**KW), theirs.chat.completions.create(**KW)
+    assert _said(mine.choices[0].message) == _said(vllms.choices[0].message)
+    reasoning, _ = _said(mine.choices[0].message)
+    assert reasoning, mine
+    assert (mine.choices[0].message.model_extra or {})["reasoning_content"] == reasoning
+    assert mine.choices[0].finish_reason == vllms.choices[0].finish_reason
+    assert mine.usage.completion_tokens == vllms.usage.completion_tokens
+
+
+def _streamed(client: openai.OpenAI) -> tuple[str, str, set[str]]:
+    reasoning, content, keys = "", "", set()
+    for chunk in client.chat.completions.create(stream=True, **KW):
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            keys |= set(extra)
+            reasoning += extra.get("reasoning") or ""
+            content += choice.delta.content or ""
+    return reasoning, content, keys
+
+
+def test_streamed_reasoning_matches_vllm_serve(ours, theirs):
+    (reasoning, content, keys), (vllm_reasoning, vllm_content, _) = _streamed(ours), _streamed(theirs)
+    assert (reasoning, content) == (vllm_reasoning, vllm_content)
+    assert reasoning and "reasoning_content" in keys
+    whole = ours.chat.completions.create(**KW).choices[0].message
+    assert _said(whole) == (reasoning, content or None)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "auto", "named"])
+def test_tools_on_a_model_without_a_tool_parser_are_400(ours, theirs, choice):
+    """This model has no tool_parser: as vLLM's server without --tool-call-parser, only
+    tool_choice "none" is served (the tools reach the template)."""
+    with pytest.raises(openai.BadRequestError):
+        theirs.chat.completions.create(**KW, tools=TOOLS, tool_choice=choice)
+    with pytest.raises(openai.BadRequestError) as err:
+        ours.chat.completions.create(**KW, tools=TOOLS, tool_choice=choice)
+    assert "'tool_choice'" in err.value.body["message"] and "tool_parser" in err.value.body["message"]
+    answer = ours.chat.completions.create(**KW, tools=TOOLS, tool_choice="none")
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason
