@@ -11,7 +11,7 @@ out, --ignore-eos. The client runs in this process on the same host; its CPU cor
 each serving process tree's CPU cores (gateway, tritonserver, vLLM's server) and each
 GPU's utilisation are recorded per level.
 
-Usage: python3 -m lab.stream_compare OUT [--rounds 3] [--concurrency 1,16,64,256]
+Usage: python3 -m lab.stream_compare OUT [--rounds 3] [--concurrency 1,16,64,256] [--door native]
 Writes OUT/result.json (every level's numbers and the medians of the per-round ratios
 gateway / vllm), OUT/compare.log, the servers' log tails and the gateway's /metrics.
 """
@@ -42,6 +42,9 @@ STREAMING = {
                "(one JSON line per engine step, written by the engine's loop in the Triton stub)",
     "vllm": "OpenAI SSE (/v1/completions) from vLLM's own API server, one event per engine step",
 }
+
+NATIVE_STREAMING = ("Triton's generate_stream SSE (/v2/models/NAME/generate_stream) through llmhost gateway's "
+                    "native door, which reads the model's engine socket (one event per engine step)")
 
 
 def log(msg: str, out: Path) -> None:
@@ -143,12 +146,13 @@ def workload_parser(doc: str, rounds: int, concurrency: str) -> argparse.Argumen
 
 
 def measure_level(url: str, model: str, tokenizer: Path, concurrency: int, rnd: int | None, input_len: int,
-                  output_len: int, api_key: str | None) -> tuple[dict[str, Any], float, float]:
+                  output_len: int, api_key: str | None, kind: str = "openai") -> tuple[dict[str, Any], float, float]:
     """One level by vLLM's client (round RND; None: a warm-up of CONCURRENCY requests): its
-    numbers with the client's CPU cores, and when it started and ended."""
+    numbers with the client's CPU cores, and when it started and ended. KIND: OpenAI's
+    /v1/completions, or ``http`` for Triton's generate_stream."""
     argv = client_argv(url, model, str(tokenizer), concurrency,
                        requests_for(concurrency) if rnd is not None else concurrency, input_len, output_len,
-                       seed=rnd or 0)
+                       seed=rnd or 0, kind=kind)
     cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
     result = run_level(argv, api_key)
     cpu1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.time()
@@ -184,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = workload_parser(__doc__ or "", 3, "1,16,64,256")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--work", type=Path, default=Path("/tmp/stream-compare-work"))
+    ap.add_argument("--door", choices=("openai", "native"), default="openai",
+                    help="the gateway's door to measure: OpenAI's /v1/completions, or Triton's generate_stream "
+                         "(the native API through the gateway, llmhost.vllm_bench's request function)")
     args = ap.parse_args(argv)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -217,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                      "dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
                      "ignore_eos": True, "concurrency": levels,
                      "requests": {c: requests_for(c) for c in levels}},
-        "engine_args": engine, "streaming": STREAMING, "gateway_workers": worker_count(0),
+        "engine_args": engine, "door": args.door, "gateway_workers": worker_count(0),
+        "streaming": {**STREAMING, "gateway": NATIVE_STREAMING} if args.door == "native" else STREAMING,
         "runs": {s: [] for s in SIDES}, "order": []}
     gpu_use = GpuUse()
 
@@ -230,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure(side: str, concurrency: int, rnd: int | None) -> dict[str, Any]:
         cpu0 = {name: tree_cpu_s(server) for name, server in parts[side].items()}
+        kind = "http" if side == "gateway" and args.door == "native" else "openai"
         level, t0, t1 = measure_level(servers[side].url, NAME, model, concurrency, rnd, args.input_len,
-                                      args.output_len, GATEWAY_KEY if side == "gateway" else None)
+                                      args.output_len, GATEWAY_KEY if side == "gateway" else None, kind)
         level.update(side=side, gpu_util_pct=gpu_use.mean(gpu_of["triton" if side == "gateway" else "vllm"], t0, t1),
                      server_cpu_cores={name: round((tree_cpu_s(server) - cpu0[name]) / max(t1 - t0, 1e-9), 2)
                                        for name, server in parts[side].items()})

@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--processes", type=_positive, default=1, metavar="N",
                    help="client processes to spread each level's concurrency over (default 1); results merged")
     b.add_argument("--client", choices=("llmhost", "vllm"), default="llmhost",
-                   help="llmhost's own client, or vLLM's `vllm bench serve` run in process (--kind openai; "
+                   help="llmhost's own client, or vLLM's `vllm bench serve` run in process (--kind openai, or http "
+                        "for Triton's generate_stream; "
                         "needs --tokenizer; random prompts of the first --prompt-words tokens)")
     b.add_argument("--tokenizer", metavar="DIR", help="the model's tokenizer (a folder), for --client vllm")
     b.add_argument("--json", type=Path, help="write results as JSON")
@@ -255,15 +256,15 @@ def _bench_vllm(args: argparse.Namespace) -> int:
 
     from llmhost.vllm_bench import client_argv, run_level, summarize, table
 
-    if args.kind != "openai" or not args.tokenizer or args.duration is not None:
-        print("llmhost bench: --client vllm needs --kind openai, --tokenizer DIR and --requests (not --duration)",
-              file=sys.stderr)
+    if args.kind == "grpc" or not args.tokenizer or args.duration is not None:
+        print("llmhost bench: --client vllm needs --kind openai or http (Triton's generate_stream), --tokenizer "
+              "DIR and --requests (not --duration)", file=sys.stderr)
         return 2
     api_key = args.api_key_file.read_text().strip() if args.api_key_file is not None else None
     levels = []
     for concurrency in args.concurrency:
         argv = client_argv(args.url, args.model, args.tokenizer, concurrency, args.requests, args.prompt_words[0],
-                           args.output_tokens[0], args.seed, not args.no_ignore_eos)
+                           args.output_tokens[0], args.seed, not args.no_ignore_eos, args.kind)
         levels.append(summarize(concurrency, run_level(argv, api_key)))
     print(table(levels))
     if args.json:

@@ -465,12 +465,16 @@ def test_a_second_gateway_from_a_config_file_with_tls_a_dead_upstream_and_a_drai
     assert "Traceback" not in log.read_text(), log.read_text()
 
 
-def test_llmhost_bench_drives_vllms_own_client_through_the_gateway(gateway, server, tiny_model, tmp_path):
+@pytest.mark.parametrize("kind", ["openai", "http"])
+def test_llmhost_bench_drives_vllms_own_client_through_the_gateway(gateway, server, tiny_model, tmp_path, kind):
+    """vLLM's client on the OpenAI door, and (with llmhost's request function for it) on
+    Triton's generate_stream through the gateway's native door."""
     key_file = tmp_path / "key"
     key_file.write_text(KEY)
     out = tmp_path / "bench.json"
-    r = subprocess.run([str(Path(sys.executable).parent / "llmhost"), "bench", "--client", "vllm", "--kind", "openai",
-                        "--url", gateway.url, "--model", server.name, "--tokenizer", str(tiny_model),
+    url = gateway.url if kind == "openai" else _native(gateway)
+    r = subprocess.run([str(Path(sys.executable).parent / "llmhost"), "bench", "--client", "vllm", "--kind", kind,
+                        "--url", url, "--model", server.name, "--tokenizer", str(tiny_model),
                         "--api-key-file", str(key_file), "--concurrency", "2", "--requests", "4",
                         "--prompt-words", "16", "--output-tokens", "8", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)

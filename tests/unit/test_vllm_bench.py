@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from llmhost.vllm_bench import client_argv, summarize, tokens_per_event
+from llmhost.vllm_bench import (
+    TRITON_BACKEND,
+    _event_tokens,
+    client_argv,
+    register_triton_backend,
+    summarize,
+    tokens_per_event,
+    triton_generate_stream,
+)
 
 
 def test_vllms_own_parser_takes_the_arguments():
@@ -19,6 +27,26 @@ def test_vllms_own_parser_takes_the_arguments():
     assert (args.max_concurrency, args.num_prompts, args.random_input_len, args.random_output_len) == (16, 64, 256, 128)
     assert args.ignore_eos and args.save_detailed and args.served_model_name == "tiny"
     assert not parser.parse_args(client_argv("http://x", "m", "/t", 1, 1, 8, 8, ignore_eos=False)).ignore_eos
+
+
+def test_triton_generate_stream_is_a_backend_of_vllms_client():
+    from vllm.benchmarks.lib.endpoint_request_func import ASYNC_REQUEST_FUNCS
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    register_triton_backend()
+    assert ASYNC_REQUEST_FUNCS[TRITON_BACKEND] is triton_generate_stream
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(client_argv("http://gw:18080", "tiny", "/models/tiny", 4, 8, 16, 8, kind="http"))
+    assert args.backend == TRITON_BACKEND and args.endpoint == "/v2/models/tiny/generate_stream"
+
+
+@pytest.mark.parametrize(("event", "tokens"), [
+    ({"text_output": "a", "num_output_tokens": 1}, 1), ({"num_output_tokens": [2, 1]}, 3),
+    ({"text_output": ""}, 0), ({"num_output_tokens": None}, 0)])
+def test_event_tokens(event, tokens):
+    assert _event_tokens(event) == tokens
 
 
 @pytest.mark.parametrize(("output_lens", "itls", "expected"), [
