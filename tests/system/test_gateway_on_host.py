@@ -26,6 +26,7 @@ SERVICE = f"{UNIT}.service"
 USER = "llmhost-gateway"
 MODEL = "tiny"
 KEYS_FILE = "/etc/llmhost/llmhost-gateway-keys.json"
+ADMIN_KEY_FILE = "/etc/llmhost/llmhost-gateway-admin-key"
 # `systemd-analyze security llmhost-gateway` measured on the booted Debian 12 host
 # (systemd 252): 1.2; test_security.py compares it with the unit without its
 # hardening block. The bound leaves room for systemd versions that score a little
@@ -77,13 +78,19 @@ def test_keys_file_holds_only_the_hash(converged: Converged):
     limited = converged.gateway_limited_key
     assert key not in text and limited not in text
     entries = json.loads(text)["keys"]
+    # The admin key for rolling changes is made on the host; only its hash is in the keys file.
+    assert host.exec(["stat", "-c", "%a %U %G", ADMIN_KEY_FILE]).stdout.strip() == "600 root root"
+    admin_key = host.exec(["cat", ADMIN_KEY_FILE], check=True).stdout
+    assert len(admin_key) >= 32 and admin_key not in text
     assert entries == [{"name": "demo", "sha256": hashlib.sha256(key.encode()).hexdigest()},
-                       {"name": "limited", "sha256": hashlib.sha256(limited.encode()).hexdigest(), "rpm": 1}], entries
+                       {"name": "limited", "sha256": hashlib.sha256(limited.encode()).hexdigest(), "rpm": 1},
+                       {"name": "llmhost-admin", "sha256": hashlib.sha256(admin_key.encode()).hexdigest(),
+                        "admin": True}], entries
     unit = host.exec(["cat", f"/etc/systemd/system/{SERVICE}"], check=True).stdout
     journal = host.exec(["journalctl", "--no-pager", "-o", "cat", "-u", UNIT]).stdout
     for where, text in (("unit", unit), ("journal", journal),
                         ("converge output", converged.first_converge.stdout + converged.first_converge.stderr)):
-        assert key not in text and limited not in text, where
+        assert key not in text and limited not in text and admin_key not in text, where
 
 
 def test_no_key_or_a_wrong_key_gets_401(converged: Converged):
