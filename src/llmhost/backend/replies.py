@@ -41,12 +41,15 @@ class ChatParsing:
     a tool parser nor a reasoning parser."""
 
     def __init__(self, tokenizer: Any, model_config: Any, tool_parser: str, reasoning_parser: str) -> None:
-        from vllm.parser import ParserManager
-
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        self.parser_cls: Any = None
+        if not tool_parser and not reasoning_parser:
+            return  # plain text only: no parser (and none of vLLM's parser API is needed)
+        from vllm.parser import ParserManager
+
         try:
             self.parser_cls = ParserManager.get_parser(
                 tool_parser_name=tool_parser or None, reasoning_parser_name=reasoning_parser or None,
@@ -59,8 +62,8 @@ class ChatParsing:
         """The job's Replies, or None where its output is plain text: not a chat, or a
         chat with neither tools nor a reasoning parser. Raises RequestError for tools
         this model cannot serve. Sets the job's tools to vLLM's form of them."""
-        if job.messages is None:
-            return None
+        if job.messages is None or (job.tools is None and job.tool_choice is None and not self.reasoning_parser):
+            return None  # plain text: no parser reads it, nothing to check (the common case, kept cheap)
         request = self._request(job)
         if request.tools:
             # The tools as vLLM's server hands them to the chat template (every field).
