@@ -23,6 +23,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import threading
 import time
@@ -30,12 +31,15 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
 
 from tests.harness.booted import NAME_PREFIX, BootedHost
 from tests.harness.net import free_port
+from tests.harness.paths import ROOT
 from tests.system._converge import METRICS_ADDRESS, Converged, changed_tasks, converge, recap, run_playbook
 
 MODEL = "tiny"
@@ -280,3 +284,238 @@ def test_the_gateway_only_host_converges_to_no_change(gateway_only: GatewayOnly)
     out = gateway_only.second.stdout
     assert gateway_only.second.returncode == 0, out[-6000:]
     assert recap(out)["changed"] == 0, changed_tasks(out)
+
+
+# -- a rolling change behind the gateways (playbooks/rolling.yml) -----------------------
+#
+# The two inference hosts A and B, and the gateway-only host C in front of both: a load
+# of streamed and non-streamed requests goes through C's gateway for the whole test while
+# rolling.yml changes A, then B. One test, in steps, because each roll costs minutes:
+# 1. a change that breaks the first host (an engine argument vLLM does not know): the
+#    roll stops at A, which stays held on the gateways; B is not touched and serves;
+# 2. the change that works, a new engine argument and a newer llmhost build (the source
+#    tree with a higher version) on both hosts: it repairs A, then changes B;
+# 3. back to the settings before (the rollback path), A only: B goes with this module;
+#    A must be as the session's converge left it for the modules after this one;
+# 4. the same once more: nothing to change, so changed=0 and nobody is held.
+# Through all of it no request through C fails and no stream ends early.
+
+NEW_VERSION = "0.1.0.post1"
+ADMIN_KEY_FILE = "/etc/llmhost/llmhost-gateway-admin-key"
+LOAD_MAX_TOKENS = 16
+
+
+@dataclass
+class _Outcome:
+    start: float
+    end: float
+    streamed: bool
+    ok: bool
+    truncated: bool = False
+    detail: str = ""
+
+
+@dataclass
+class _Traffic:
+    """Clients sending requests through a gateway, one after another each, until stopped:
+    half of them streamed. The `openai` client with retries off, so every failure counts."""
+
+    url: str
+    key: str
+    clients: int = 4
+    stop: threading.Event = field(default_factory=threading.Event)
+    outcomes: list[_Outcome] = field(default_factory=list)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def _one(self, client, streamed: bool, i: int) -> _Outcome:
+        start = time.monotonic()
+        args = {"model": MODEL, "prompt": f"roll {i}:", "max_tokens": LOAD_MAX_TOKENS,
+                "extra_body": {"ignore_eos": True}}
+        chunks, finish = 0, None
+        try:
+            if streamed:
+                for chunk in client.completions.create(stream=True, **args):
+                    if chunk.choices:
+                        chunks += 1
+                        finish = chunk.choices[0].finish_reason or finish
+                ok = finish == "length"
+                return _Outcome(start, time.monotonic(), True, ok, truncated=not ok,
+                                detail=f"{chunks} chunks, finish_reason {finish}")
+            r = client.completions.create(**args)
+            ok = r.usage is not None and r.usage.completion_tokens == LOAD_MAX_TOKENS
+            return _Outcome(start, time.monotonic(), False, ok, detail=f"usage {r.usage}")
+        except Exception as exc:  # noqa: BLE001 - every failure of a request is an outcome to count
+            # A stream that broke after its first chunk is a truncated stream.
+            return _Outcome(start, time.monotonic(), streamed, False, truncated=streamed and chunks > 0,
+                            detail=f"{type(exc).__name__}: {exc}"[:400])
+
+    def _run(self, streamed: bool) -> None:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{self.url}/v1", api_key=self.key, max_retries=0, timeout=120)
+        i = 0
+        while not self.stop.is_set():
+            self.outcomes.append(self._one(client, streamed, i))
+            i += 1
+
+    def start(self) -> None:
+        self.threads = [threading.Thread(target=self._run, args=(n % 2 == 0,), daemon=True)
+                        for n in range(self.clients)]
+        for t in self.threads:
+            t.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=180)
+
+    def between(self, t0: float, t1: float) -> list[_Outcome]:
+        return [o for o in list(self.outcomes) if o.start < t1 and o.end > t0]
+
+
+def _counts(outcomes: list[_Outcome]) -> str:
+    failed = [o for o in outcomes if not o.ok]
+    return (f"failed requests: {len(failed)} of {len(outcomes)} "
+            f"({sum(o.streamed for o in outcomes)} streamed, {sum(not o.streamed for o in outcomes)} not), "
+            f"truncated streams: {sum(o.truncated for o in outcomes)}")
+
+
+def _newer_build(work: Path) -> Path:
+    """The llmhost source tree as python_env copies it, with a higher version: a newer build."""
+    tree = work / "llmhost-newer"
+    shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, tree / name)
+    for path, pattern in ((tree / "pyproject.toml", r'^version = "[^"]+"'),
+                          (tree / "src" / "llmhost" / "__init__.py", r'^__version__ = "[^"]+"')):
+        text, n = re.subn(pattern, pattern.split(" = ")[0].lstrip("^") + f' = "{NEW_VERSION}"', path.read_text(),
+                          count=1, flags=re.M)
+        assert n == 1, path
+        path.write_text(text)
+    return tree
+
+
+def _roll(pair: Pair, c: GatewayOnly, work: Path, name: str, *args: str, models: list[dict[str, Any]] | None = None,
+          source_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """playbooks/rolling.yml over A then B (C in the group `gateway`), each inference host
+    with the variables of its converge as host variables; MODELS and SOURCE_DIR change them."""
+    inference = {}
+    for conv in (pair.a, pair.b):
+        own = json.loads(conv.extra_vars.read_text())
+        # The converge's keys must win over inventory/demo.yml's, as there: through a host variable.
+        own["rolling_test_gateway_api_keys"] = own.pop("gateway_api_keys")
+        inference[conv.host.name] = {**conv.host.host_vars(), **own}
+    inventory = work / f"{name}-inventory.json"
+    inventory.write_text(json.dumps({"all": {"children": {
+        "inference": {"hosts": inference},
+        "gateway": {"hosts": {c.host.name: c.host.host_vars()}}}}}))
+    extra: dict[str, Any] = {"gateway_api_keys": "{{ rolling_test_gateway_api_keys }}"}
+    if models is not None:
+        extra["llmhost_models"] = models
+    if source_dir is not None:
+        extra["llmhost_source_dir"] = str(source_dir)
+    extra_file = work / f"{name}-vars.json"
+    extra_file.write_text(json.dumps(extra))
+    began = time.monotonic()
+    r = run_playbook(inventory, extra_file, pair.a.host.pip_vars_file, "playbooks/rolling.yml", *args)
+    (work / f"{name}.out").write_text(r.stdout + r.stderr)
+    print(f"\nrolling.yml ({name}): rc {r.returncode} in {time.monotonic() - began:.0f} s ({work / name}.out)")
+    return r
+
+
+def _upstreams_on_c(c: GatewayOnly, key: str) -> dict[str, dict[str, Any]]:
+    r = requests.get(f"http://127.0.0.1:{c.port}/admin/upstreams", headers={"Authorization": f"Bearer {key}"},
+                     timeout=10)
+    assert r.status_code == 200, r.text
+    return {u["target"]: u for u in r.json()["upstreams"]}
+
+
+def _invocation(conv: Converged) -> str:
+    show = ["systemctl", "show", "-p", "InvocationID", "--value", "tritonserver"]
+    return conv.host.exec(show, check=True).stdout.strip()
+
+
+def _model_json(conv: Converged) -> str:
+    return conv.host.exec(["cat", f"/opt/llmhost/models/{MODEL}/model.json"], check=True).stdout
+
+
+def _version(conv: Converged) -> str:
+    return conv.host.exec(["/opt/llmhost/venv/bin/llmhost", "--version"], check=True).stdout.strip()
+
+
+def _recap_of(out: str, host: str) -> dict[str, int]:
+    m = re.search(rf"^{re.escape(host)}\s*:\s*(ok=\d+.*)$", out.split("PLAY RECAP", 1)[-1], re.M)
+    assert m, out[-3000:]
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
+
+
+def test_rolling_a_change_across_both_hosts_loses_no_request(pair: Pair, gateway_only: GatewayOnly,
+                                                             tmp_path: Path):
+    a, b, c = pair.a, pair.b, gateway_only
+    admin_key = c.host.exec(["cat", ADMIN_KEY_FILE], check=True).stdout.strip()
+    base_models = [{"name": MODEL, "source": "tiny", "seed": 0, "max_model_len": 512, "default_max_tokens": 64}]
+    _wait_for("A and B in service on C", lambda: {t: u["state"] for t, u in _upstreams_on_c(c, admin_key).items()}
+              == {pair.a_upstream: "in_service", pair.b_upstream: "in_service"})
+    traffic = _Traffic(f"http://127.0.0.1:{c.port}", c.key)
+    before_b = (_invocation(b), _model_json(b))
+    traffic.start()
+    try:
+        time.sleep(3)
+        # 1. A change that breaks the first host.
+        t0 = time.monotonic()
+        broken = _roll(pair, c, tmp_path, "broken",
+                       models=[{**base_models[0], "engine_args": {"no_such_engine_argument": 1}}])
+        t1 = time.monotonic()
+        upstreams = _upstreams_on_c(c, admin_key)
+        b_after_broken = (_invocation(b), _model_json(b))
+        # 2. The change that works, with a newer llmhost build: repairs A, then changes B.
+        newer = _newer_build(tmp_path)
+        good_models = [{**base_models[0], "engine_args": {"max_num_seqs": 32}}]
+        good = _roll(pair, c, tmp_path, "good", models=good_models, source_dir=newer)
+        t2 = time.monotonic()
+        versions = {"a": _version(a), "b": _version(b)}
+        model_json = {"a": _model_json(a), "b": _model_json(b)}
+        upstreams_after_good = _upstreams_on_c(c, admin_key)
+        # 3. Back to the settings before, on A.
+        back = _roll(pair, c, tmp_path, "back", "--limit", a.host.name)
+        t3 = time.monotonic()
+    finally:
+        traffic.finish()
+    # 4. Nothing to change: changed=0, and nobody is held.
+    again = _roll(pair, c, tmp_path, "again", "--limit", a.host.name)
+
+    phases = {"while the broken change stopped at A": traffic.between(t0, t1),
+              "while the change rolled over A and B": traffic.between(t1, t2),
+              "while A went back": traffic.between(t2, t3)}
+    print()
+    for what, outcomes in phases.items():
+        print(f"{what}: {_counts(outcomes)}")
+    everything = traffic.between(t0, t3)
+    print(f"all through C during the rolls: {_counts(everything)}")
+    out = broken.stdout
+    assert broken.returncode != 0, out[-6000:]
+    assert f"The roll stopped at {a.host.name}" in out, out[-6000:]
+    assert "no_such_engine_argument" in out, out[-6000:]
+    assert "Hold this host out of every gateway's pool]" in out, out[-6000:]
+    assert _recap_of(out, b.host.name)["failed"] == 0
+    assert b_after_broken == before_b, "a roll that stopped at A changed B (restarted it or rewrote its model.json)"
+    assert upstreams[pair.a_upstream]["held"] and upstreams[pair.a_upstream]["state"] == "draining", upstreams
+    assert not upstreams[pair.b_upstream]["held"] and upstreams[pair.b_upstream]["state"] == "in_service", upstreams
+
+    assert good.returncode == 0, good.stdout[-8000:]
+    assert all(NEW_VERSION in v for v in versions.values()), versions
+    assert all(json.loads(j).get("max_num_seqs") == 32 for j in model_json.values()), model_json
+    assert {t: (u["state"], u["held"]) for t, u in upstreams_after_good.items()} == {
+        pair.a_upstream: ("in_service", False), pair.b_upstream: ("in_service", False)}, upstreams_after_good
+
+    assert back.returncode == 0, back.stdout[-8000:]
+    assert NEW_VERSION not in _version(a)
+
+    assert again.returncode == 0, again.stdout[-6000:]
+    assert _recap_of(again.stdout, a.host.name)["changed"] == 0, changed_tasks(again.stdout)
+    assert "Hold this host out of every gateway's pool" not in again.stdout, "a roll without a change held A"
+
+    failed = [o for o in everything if not o.ok]
+    assert all(len(o) >= 8 for o in phases.values()), {k: len(v) for k, v in phases.items()}
+    assert not failed, [(o.streamed, o.detail) for o in failed[:10]]
