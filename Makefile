@@ -35,7 +35,7 @@ lint-python: setup
 lint: lint-python lint-ansible lint-monitoring
 
 test-unit: setup
-	$(VENV)/bin/pytest -q tests/unit
+	$(VENV)/bin/pytest -q tests/unit tests/records
 
 test-e2e: setup
 	$(VENV)/bin/pytest -q tests/e2e

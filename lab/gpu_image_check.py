@@ -28,7 +28,7 @@ Usage: python3 -m lab.gpu_image_check OUT.json [--work DIR] [--models llava,blip
 Writes OUT.json (versions, each check's request summary, response fields and verdict)
 and serve-NAME.log beside it; prints a summary; exits 1 if a check failed. The H100 run
 of 2026-11-25: tests/fixtures/gpu/h100-580.159.04-real/device-run-2026-11-25-images/
-(its unit test: tests/unit/test_gpu_image_run_2026_11_25.py).
+(its test: tests/records/test_h100_image_input.py).
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ check.NO_MULTICAST, set before anything starts).
 
 Usage: python3 -m lab.gpu_multi_check OUT [--concurrency 16,64,256] [--phases ...] [--tp 4]
 Writes OUT/result.json, OUT/multi.log, nvidia-smi lists, the rendered and loaded model
-configs, smoke outputs and the servers' log tails. The H100 run of 2026-11-27 is in
-tests/fixtures/gpu/h100x2-580.159.04-real/device-run-2026-11-27-multi/ (its unit test:
-tests/unit/test_gpu_multi_run.py).
+configs, smoke outputs and the servers' log tails. The two-GPU run of 2026-11-27 (2 x H200) is in
+tests/fixtures/gpu/h200x2-580.159.04-real/device-run-2026-11-27-multi/ (its test:
+tests/records/test_h200x2_tensor_parallel_and_placement.py).
 """
 
 from __future__ import annotations

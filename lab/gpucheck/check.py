@@ -1,4 +1,4 @@
-"""Issue 14's repeatable GPU check: the serving path under KIND_GPU and KIND_MODEL, recorded.
+"""The repeatable GPU check: the serving path under KIND_GPU and KIND_MODEL, recorded.
 
 Run on a GPU host whose python3 imports vLLM, nvidia-pytriton and llmhost (the device
 kit: ../shared/gpu-kit). It generates a model (default: Qwen3-0.6B's shape with the tiny
@@ -30,7 +30,7 @@ as many); Triton's GPU metrics (nv_gpu_utilization and nv_gpu_memory_used_bytes 
 the GPU's uuid); stop by SIGTERM (no process, no /dev/shm segment, the GPU's memory
 given back).
 
-Tensor parallel (`--tensor-parallel-size N`, N > 1; issue 14 item 3): KIND_MODEL only
+Tensor parallel (`--tensor-parallel-size N`, N > 1): KIND_MODEL only
 (one engine spans N GPUs; the roles' default kind on profile gpu, and what `llmhost
 placement` requires), the model entry carrying engine_args tensor_parallel_size N as
 an inventory sets it. The host must have N GPUs. One more verdict, "tensor_parallel":
@@ -45,8 +45,9 @@ Writes OUT_DIR/result.json (per kind: the numbers and each check's verdict under
 nvidia-smi.txt: few files, as the lent GPU machine returns at most 8. The work
 directories (model repository, caches) go under --work (default /tmp/gpu-check-work).
 Exit status 0 only if every check passed under every kind. The H100 run of 2026-11-24 is
-in tests/fixtures/gpu/h100-580.159.04-real/device-run-2026-11-24-check/ (its unit test:
-tests/unit/test_gpu_check_run.py; the TP mode's: tests/unit/test_tensor_parallel.py).
+in tests/fixtures/gpu/h100-580.159.04-real/device-run-2026-11-24-check/ (its test:
+tests/records/test_h100_serving_checks.py; its logic without a GPU:
+tests/unit/test_gpu_check.py; the TP mode's: tests/unit/test_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -500,7 +501,7 @@ def check_kind(kind: str, model: Path, work: Path, out: Path, uuids: list[str],
 
 
 def passed(res: dict[str, Any]) -> dict[str, bool]:
-    """Each check's verdict (the unit tests re-check the recorded numbers themselves)."""
+    """Each check's verdict (tests/records re-checks the recorded numbers themselves)."""
     want = res.get("rendered_kind")
     bad = res.get("bad_input", {})
     st = res.get("structured", {})

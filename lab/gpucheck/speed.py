@@ -1,4 +1,4 @@
-"""Issue 14's GPU speed run: the Triton path against vLLM's own OpenAI server.
+"""The GPU speed run: the Triton path against vLLM's own OpenAI server.
 
 Run on a GPU host whose python3 imports vLLM, nvidia-pytriton and llmhost (the device
 kit: ../shared/gpu-kit, after gpu-setup.sh). It writes the Qwen3-0.6B-shaped random
@@ -20,8 +20,9 @@ concurrency level):
 * `variant` (with --variant KEY=VALUE ...): the `triton` server with those backend settings;
 * `gateway` (with --gateway, --servers together): `llmhost gateway` in front of the `triton`
   side's server (its gRPC port), an API key from a keys file, through `/v1/completions`
-  (`--kind openai --api-key-file`): issue 13's path, measured against `triton` and `vllm`
-  (bench_compare.GOALS); its CPU seconds are recorded per measurement like the servers'.
+  (`--kind openai --api-key-file`): the OpenAI API path, measured against `triton` and
+  `vllm` (the gateway's goals, bench_compare.GOALS); its CPU seconds are recorded per
+  measurement like the servers'.
 
 Each round measures `triton` and `vllm` (and `uvloop`, `variant`, `gateway`), rotating which goes
 first, then `grouped`.
@@ -39,12 +40,12 @@ token counter, Triton's queue counters: gauge_level).
 Usage: python3 -m lab.gpu_speed OUT_DIR [--rounds 3] [--duration 12] [--processes 8]
 Writes OUT_DIR/result.json (every sweep's levels, server CPU, GPU and CPU samples per
 level, the engine config both sides logged, and the medians of the per-round ratios
-against issue 14's goal and issue 13's), speed.log, the servers' log tails (serve-triton.log,
+against the speed goal and the gateway's), speed.log, the servers' log tails (serve-triton.log,
 serve-grouped.log, vllm-server.log, gateway.log), gpu-samples.csv and nvidia-smi.txt: few files,
 as the lent GPU machine returns at most 8. The H100 runs are in
-tests/fixtures/gpu/h100-580.159.04-real/device-run-2026-11-24-speed2/ (its unit test:
-tests/unit/test_gpu_speed_run.py) and device-run-2026-11-25-{apart,variants}/
-(tests/unit/test_gpu_speed_watch_run.py).
+tests/fixtures/gpu/h100-580.159.04-real/device-run-2026-11-24-speed2/ (its test:
+tests/records/test_h100_speed_triton_against_vllm.py) and device-run-2026-11-25-{apart,variants}/
+(tests/records/test_h100_speed_gap_per_thread.py).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ GATEWAY_KEY = "gpu-speed-bench-key"
 PER_STEP = ("triton", "uvloop", "variant")
 GROUPED_MS = 50  # the grouped side's stream window
 SIDE_ENV = {"uvloop": {"LLMHOST_EVENT_LOOP": "uvloop"}}
-# Issue 14: the per-step Triton path against vLLM's server, at every level.
+# The speed goal: the per-step Triton path at least 0.97x vLLM's server's tokens/s and at
+# most 1.10x its TTFT p50, at every level.
 GOAL = {"path": "triton", "base": "vllm", "min_tps_ratio": 0.97, "max_ttft_ratio": 1.10}
 # Lines of a server's log kept whatever the tail: the engine's config and scheduler.
 KEEP = re.compile(r"Initializing a V1 LLM engine|non-default args|max_num_batched_tokens|max_num_seqs|"
@@ -338,7 +340,8 @@ def misses(rows: list[dict[str, Any]], goal: dict[str, Any] = GOAL) -> list[str]
 
 
 def gateway_goals() -> dict[str, dict[str, Any]]:
-    """Issue 13's goals (bench_compare.GOALS) as GOAL-shaped dicts, by "path/base"."""
+    """The gateway's goals (bench_compare.GOALS: against the native path and vLLM's server)
+    as GOAL-shaped dicts, by "path/base"."""
     from dataclasses import asdict
 
     from llmhost.bench_compare import GOALS
@@ -740,7 +743,7 @@ def summarise(res: dict[str, Any]) -> None:
             res["summary"][f"{path}/{base}"] = {"rows": rows, "misses": misses(rows, goal)}
     res["goal_met"] = "triton/vllm" in res["summary"] and not res["summary"]["triton/vllm"]["misses"]
     if "gateway/triton" in res["summary"] and "gateway/vllm" in res["summary"]:
-        # Issue 13: the gateway against the native path and against vLLM's server.
+        # The gateway's goals: against the native path and against vLLM's server.
         res["gateway_goal_met"] = not (res["summary"]["gateway/triton"]["misses"]
                                        or res["summary"]["gateway/vllm"]["misses"])
 
@@ -778,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also measure the per-step path with this backend setting (repeatable), in the rotation")
     ap.add_argument("--gateway", action="store_true",
                     help="also measure llmhost gateway in front of the triton side's server, in the rotation "
-                         "(issue 13's goals; --servers together only)")
+                         "(the gateway's goals; --servers together only)")
     ap.add_argument("--no-watch", dest="watch", action="store_false",
                     help="skip the per-thread CPU and scheduler-gauge sampling of the measured server")
     ap.add_argument("--no-thread-names", dest="thread_names", action="store_false",

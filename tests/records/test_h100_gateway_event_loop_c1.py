@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 
-from tests.unit.test_gpu_gateway_probe_2026_11_26 import level, load
+from tests.records.test_h100_gateway_first_token import level, load
 
 NAME = "8-uvloop-c1"
 SIDES = ("http", "gateway", "gateway-uvloop")

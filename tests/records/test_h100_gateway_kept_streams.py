@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_gpu_gateway_probe_2026_11_26 import level, load, round_cpu_ms_per_token
+from tests.records.test_h100_gateway_first_token import level, load, round_cpu_ms_per_token
 
 NAMES = ("6-stream-reuse", "7-stream-reuse-b")
 SIDES = ("http", "gateway", "gateway-reuse")

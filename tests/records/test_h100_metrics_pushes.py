@@ -1,4 +1,5 @@
-"""The H100 runs of the code after issue 16's merges (2026-11-25, vLLM 0.20.2):
+"""The H100 runs of the code with one response per engine step as the default and the
+metrics pushed before every final response (2026-11-25, vLLM 0.20.2):
 
 * ``device-run-2026-11-25-check``: lab/gpu_check.py under KIND_GPU (`llmhost serve
   --kind KIND_GPU`) and KIND_MODEL (the roles' repository), with one response per

@@ -1,23 +1,18 @@
-"""Issue 14's GPU check recorded on the real H100 (lab/gpu_check.py, vLLM 0.20.2,
-2026-11-24): the Qwen3-0.6B-shaped random model served under KIND_GPU (`llmhost serve
---device gpu`) and KIND_MODEL (the roles' model repository under tritonserver started
-the unit's way). What the run showed is checked here from its numbers, not from the
-script's own verdicts alone, so the record and the claims made from it cannot drift
-apart; the script's ties to the roles (context, flags, environment) are checked too."""
+"""The GPU check recorded on the real H100 (lab/gpu_check.py, vLLM 0.20.2, 2026-11-24):
+the Qwen3-0.6B-shaped random model served under KIND_GPU (`llmhost serve --device gpu`)
+and KIND_MODEL (the roles' model repository under tritonserver started the unit's way).
+What the run showed is checked here from its numbers, not from the script's own verdicts
+alone, so the record and the claims made from it cannot drift apart. The script's ties
+to the roles (context, flags, environment) are checked in tests/unit/test_gpu_check.py."""
 
 from __future__ import annotations
 
-import copy
 import json
 import re
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import yaml
 
 from lab.gpucheck import check as gpu_check
-from llmhost.placement import plan
 from tests.harness.paths import ROOT
 
 RUN = ROOT / "tests" / "fixtures" / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-24-check"
@@ -26,7 +21,6 @@ LEAKS = ("Traceback", 'File "', "/site-packages/")
 CHECKS = {"served", "smoke", "bad_input", "structured", "cancellation", "gpu_metrics", "stop"}
 SMOKE_CHECKS = {"server live", "server ready", "model ready", "generate", "generate_stream (SSE)", "gRPC stream",
                 "metrics"}
-
 
 
 def _result() -> dict:
@@ -155,85 +149,3 @@ def test_sigterm_leaves_no_process_no_shm_segment_and_frees_the_gpu(kind):
     log = (RUN / f"serve-{kind.lower()}.log").read_text()
     # The stop file (serve's, or the unit's ExecStop as the script does it) reached the backend.
     assert "[llmhost] draining (tritonserver is stopping): 0 request(s) in flight" in log
-
-
-# --- the script's ties to the roles --------------------------------------------------------
-
-def test_kind_model_entry_has_the_keys_the_roles_render_with():
-    text = (ROOT / "roles" / "model_repository" / "vars" / "main.yml").read_text()
-    context = yaml.safe_load(text)["_model_repository_context"]
-    # Only when the inventory sets them:
-    keys = set(re.findall(r"'(\w+)':", context)) - {"gpus", "dtype", "report_custom_metrics",
-                                                          "enable_vllm_health_check"}
-    entry = gpu_check.roles_model_entry(Path("/srv/m"))
-    assert set(entry) == keys
-    # The roles take the kind from llmhost.placement (filter llmhost_placement).
-    assert "llmhost_placement" in yaml.safe_load(text)["_model_repository_placement"]
-    assert entry["kind"] == plan([{"name": "m"}], None)[0].kind == "KIND_MODEL"
-
-
-def test_kind_model_entry_takes_the_roles_defaults():
-    repo = yaml.safe_load((ROOT / "roles" / "model_repository" / "defaults" / "main.yml").read_text())
-    llmhost = yaml.safe_load((ROOT / "roles" / "llmhost" / "defaults" / "main.yml").read_text())
-    assert llmhost["llmhost_profile"] == "gpu"
-    assert gpu_check.ROLE_ENGINE_ARGS_GPU == repo["model_repository_engine_args"]["gpu"]
-    assert gpu_check.ROLE_DEFAULTS == {"default_max_tokens": repo["model_repository_default_max_tokens"],
-                                       "max_n": repo["model_repository_max_n"],
-                                       "drain_timeout_s": llmhost["llmhost_drain_timeout_s"]}
-
-
-def test_kind_model_server_gets_the_units_flags():
-    # The unit renders the package's command line template (tests/ansible/test_triton.py
-    # compares it with llmhost serve's); the script must pass the roles' default values.
-    template = (ROOT / "src" / "llmhost" / "templates" / "tritonserver.args.j2").read_text()
-    flags = set(re.findall(r"(--[a-z-]+)=", template))
-    triton = yaml.safe_load((ROOT / "roles" / "triton" / "defaults" / "main.yml").read_text())
-    cmd = gpu_check.unit_command(SimpleNamespace(server=Path("/x/tritonserver")), Path("/m"), Path("/b"), "k" * 32)
-    assert {arg.split("=", 1)[0] for arg in cmd[1:]} == flags
-    assert f"--exit-on-error={str(triton['triton_service_exit_on_error']).lower()}" in cmd
-    assert f"--log-verbose={triton['triton_service_log_verbose']}" in cmd and not triton["triton_service_extra_args"]
-    assert "--allow-gpu-metrics=true" in cmd
-    assert f"--exit-timeout-secs={gpu_check.ROLE_DEFAULTS['drain_timeout_s'] + 30}" in cmd
-
-
-def test_kind_model_server_gets_the_units_environment(tmp_path):
-    template = (ROOT / "roles" / "triton" / "templates" / "tritonserver.env.j2").read_text()
-    gpu_block = template[:template.index("{% if llmhost_profile == 'cpu' %}")]
-    keys = set(re.findall(r"'([A-Z_]+)':", gpu_block))
-    env = gpu_check.unit_environment(tmp_path, SimpleNamespace(libs=None))
-    assert keys <= set(env)
-    assert env["LLMHOST_STOP_FILE"] == str(tmp_path / "run" / "stopping")
-    assert env["HF_HUB_OFFLINE"] == "1" and env["HOME"] == str(tmp_path)
-    assert "VLLM_TARGET_DEVICE" not in keys  # profile cpu only
-
-
-def test_metric_sum_reads_only_the_named_series_with_every_label():
-    text = ('vllm:request_failed_total{model="llm",version="1",reason="engine_error"} 2\n'
-            'vllm:request_failed_total{model="llm",version="1",reason="invalid_request"} 3\n'
-            'vllm:request_failed_total_created{model="llm",version="1",reason="invalid_request"} 9\n'
-            'vllm:request_failed_total{model="other",version="1",reason="invalid_request"} 5\n')
-    assert gpu_check.metric_sum(text, "vllm:request_failed_total", 'model="llm"', 'reason="invalid_request"') == 3
-    assert gpu_check.metric_sum(text, "vllm:request_failed_total", 'model="llm"') == 5
-    assert gpu_check.metric_sum(text, "vllm:num_requests_running") == 0
-
-
-@pytest.mark.parametrize(("path", "value", "check"), [
-    (("bad_input", "engine_error_delta"), 1.0, "bad_input"),
-    (("bad_input", "seed", "leaks"), True, "bad_input"),
-    (("structured", "regex", "ok"), False, "structured"),
-    (("cancellation", "cancelled_delta"), 3.0, "cancellation"),
-    (("cancellation", "running_after"), 1.0, "cancellation"),
-    (("gpu_metrics", "every_gpu"), False, "gpu_metrics"),
-    (("stop", "processes_left"), [4242], "stop"),
-    (("stop", "shm_left"), ["triton_python_backend_shm_region_1"], "stop"),
-    (("rendered_kind",), "KIND_GPU", "served"),
-])
-def test_a_failed_check_is_reported_as_failed(path, value, check):
-    case = copy.deepcopy(_kind("KIND_MODEL"))
-    target = case
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = value
-    verdicts = gpu_check.passed(case)
-    assert verdicts[check] is False
-    assert all(ok for name, ok in verdicts.items() if name != check)

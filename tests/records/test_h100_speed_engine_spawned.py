@@ -1,4 +1,4 @@
-"""Issue 14's H100 run with vLLM's engine started by spawn (2026-11-25, vLLM 0.20.2):
+"""The H100 speed run with vLLM's engine started by spawn (2026-11-25, vLLM 0.20.2):
 ``device-run-2026-11-25-spawn``. The three servers resident together (0.2 of the GPU's
 memory each), 3 rounds at concurrency 1/16/64/256: the per-step Triton path with the
 backend's new default ``engine_start_method`` (spawn, as vLLM's own server), vLLM's
@@ -66,7 +66,7 @@ def test_c16_the_engine_steps_as_fast_as_behind_vllms_server(res: dict):
     theirs = [lv["scheduler"]["itl_ms"] for lv in levels(res, "vllm", 16)]
     assert ours == [3.72, 3.53, 3.76] and theirs == [4.03, 3.93, 3.33]
     assert statistics.median(ours) <= 1.05 * statistics.median(theirs)
-    # So c=16 meets issue 14's goal: throughput >= 0.97x, TTFT p50 <= 1.10x.
+    # So c=16 meets the speed goal: throughput >= 0.97x, TTFT p50 <= 1.10x of vLLM's server.
     assert ratios(res, "triton", "vllm", 16) == [1.08, 1.12, 0.92]
     assert median_ratio(res, "triton", "vllm", 16) == 1.08 and median_ratio(res, "triton", "vllm", 16, "ttft") == 0.72
     assert median_ratio(res, "triton", "vllm", 1) == 0.96 and median_ratio(res, "triton", "vllm", 1, "ttft") == 0.9

@@ -1,15 +1,14 @@
-"""Issue 14's GPU speed run recorded on the real H100 (lab/gpu_speed.py, vLLM 0.20.2,
+"""The GPU speed run recorded on the real H100 (lab/gpu_speed.py, vLLM 0.20.2,
 2026-11-24): the Triton path (`llmhost serve --device gpu`, one response per engine step)
 against vLLM's own OpenAI server, same model and engine arguments, 3 alternating rounds,
 plus the grouped mode (default stream window). The facts docs/performance.md states are
 checked here from the raw per-round numbers, so the record and the claims made from it
-cannot drift apart; the script's pure helpers are checked too."""
+cannot drift apart. The script's pure helpers are checked in tests/unit/test_gpu_speed_watch.py."""
 
 from __future__ import annotations
 
 import json
 import statistics
-from pathlib import Path
 
 import pytest
 
@@ -42,7 +41,7 @@ def test_recorded_on_the_h100_with_vllm_0_20_2_and_the_qwen3_shaped_model():
     assert "exception" not in res and res["skipped"] == []
 
 
-def test_the_workload_is_issue_14s():
+def test_the_workload_64_words_in_128_tokens_out_at_1_to_256():
     w = _result()["workload"]
     assert w["concurrency"] == LEVELS and w["prompt_words"] == 64 and w["output_tokens"] == 128
     assert w["ignore_eos"] is True and w["duration_s"] >= 10 and w["client_processes"] == 8
@@ -97,19 +96,6 @@ def test_engine_arguments_are_the_same_on_every_side():
         assert "Chunked prefill is enabled with max_num_batched_tokens=8192." in log
     assert "stream interval 0 ms" in (RUN / "serve-triton.log").read_text()
     assert "stream interval 50 ms" in (RUN / "serve-grouped.log").read_text()
-
-
-def test_the_script_starts_both_servers_with_the_same_engine_arguments():
-    engine = {"served_model_name": "llm", "max_model_len": 4096, "gpu_memory_utilization": 0.25}
-    cmds = {side: gpu_speed.Server(side, Path("/m"), Path("/w"), Path("/l"), engine, {}).command() for side in SIDES}
-    assert cmds["vllm"][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert "--served-model-name llm --max-model-len 4096 --gpu-memory-utilization 0.25" in " ".join(cmds["vllm"])
-    for side in ("triton", "grouped"):
-        line = " ".join(cmds[side])
-        assert "serve --device gpu" in line and "--name llm" in line
-        assert "--engine-arg max_model_len=4096 --engine-arg gpu_memory_utilization=0.25" in line
-    assert "--setting stream_interval_ms=0" in " ".join(cmds["triton"])
-    assert "--setting stream_interval_ms=50" in " ".join(cmds["grouped"])  # no longer the default
 
 
 def _recomputed(path: str, base: str = "vllm") -> list[dict]:
@@ -180,12 +166,3 @@ def test_idle_servers_stayed_idle_and_the_gpu_was_not_saturated():
                 assert 15 < lv["samples"]["gpu_util_pct"] < 75
     csv = (RUN / "gpu-samples.csv").read_text().splitlines()
     assert csv[0] == "time,utilization_gpu_pct,memory_used_mib,power_w" and len(csv) > 1000
-
-
-def test_helpers():
-    line = ("(EngineCore pid=1) INFO 11-24 [core.py:109] Initializing a V1 LLM engine (v0.20.2) with config: "
-            "model='/m', x=1")
-    assert gpu_speed.engine_config("junk\n" + line) == {"version": "v0.20.2", "config": "model='/m', x=1"}
-    assert gpu_speed.engine_config("nothing here") == {}
-    assert gpu_speed.window_mean([(1.0, 10.0), (2.0, 20.0), (5.0, 99.0)], 1.0, 2.0) == 15.0
-    assert gpu_speed.window_mean([(9.0, 1.0)], 1.0, 2.0) is None

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from lab.gpucheck import check as gpu_check
 from llmhost.layout import make_model_dir
@@ -137,18 +136,6 @@ def test_the_placement_rule_places_the_two_models_as_the_run_served_them(tmp_pat
     gpu1 = (RUN / "placement-gpu1-config.pbtxt").read_text()
     assert "kind: KIND_MODEL" in gpu1 and "gpus:" not in gpu1
     assert json.loads((RUN / "placement-gpu1-model.json").read_text())["llmhost"]["visible_gpus"] == "1"
-
-
-def test_the_roles_write_gpus_only_where_the_inventory_pinned_them():
-    """placed_entries follows roles/model_repository's context: kind from the placement
-    filter, `gpus` combined in only when the placement is pinned."""
-    text = (ROOT / "roles" / "model_repository" / "vars" / "main.yml").read_text()
-    yaml.safe_load(text)
-    assert "_model_repository_placement.models[item.model.name].kind" in text
-    assert re.search(r"combine\(\{'gpus': _model_repository_placement\.models\[item\.model\.name\]\.gpus\}\s*"
-                     r"if _model_repository_placement\.models\[item\.model\.name\]\.pinned", text)
-    (unpinned,) = gpu_check.placed_entries(MODEL, [{"name": "one"}], gpu_count=2)
-    assert unpinned["kind"] == "KIND_MODEL" and "gpus" not in unpinned
 
 
 def test_triton_loaded_each_model_on_its_own_gpu():

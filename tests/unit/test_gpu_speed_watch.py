@@ -1,6 +1,7 @@
 """lab/gpu_speed.py's per-thread CPU and scheduler-gauge sampling (pure parts), the
-rotation of the measured sides, the uvloop side's command and environment, and the
-backend's event-loop experiment switch (LLMHOST_EVENT_LOOP)."""
+rotation of the measured sides, the servers' command lines (the same engine arguments on
+every side; the uvloop side's environment), the engine-config and GPU-sample readers, and
+the backend's event-loop experiment switch (LLMHOST_EVENT_LOOP)."""
 
 from __future__ import annotations
 
@@ -147,3 +148,26 @@ def test_the_variant_side_adds_its_backend_settings_to_the_per_step_path():
     assert "--http-port 18640" in line
     assert "response_threads" not in " ".join(gpu_speed.Server("triton", Path("/m"), Path("/w"), Path("/l"), {},
                                                                 {}).command())
+
+
+def test_the_script_starts_both_servers_with_the_same_engine_arguments():
+    engine = {"served_model_name": "llm", "max_model_len": 4096, "gpu_memory_utilization": 0.25}
+    cmds = {side: gpu_speed.Server(side, Path("/m"), Path("/w"), Path("/l"), engine, {}).command()
+            for side in ("triton", "vllm", "grouped")}
+    assert cmds["vllm"][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert "--served-model-name llm --max-model-len 4096 --gpu-memory-utilization 0.25" in " ".join(cmds["vllm"])
+    for side in ("triton", "grouped"):
+        line = " ".join(cmds[side])
+        assert "serve --device gpu" in line and "--name llm" in line
+        assert "--engine-arg max_model_len=4096 --engine-arg gpu_memory_utilization=0.25" in line
+    assert "--setting stream_interval_ms=0" in " ".join(cmds["triton"])
+    assert "--setting stream_interval_ms=50" in " ".join(cmds["grouped"])  # no longer the default
+
+
+def test_engine_config_and_window_mean():
+    line = ("(EngineCore pid=1) INFO 11-24 [core.py:109] Initializing a V1 LLM engine (v0.20.2) with config: "
+            "model='/m', x=1")
+    assert gpu_speed.engine_config("junk\n" + line) == {"version": "v0.20.2", "config": "model='/m', x=1"}
+    assert gpu_speed.engine_config("nothing here") == {}
+    assert gpu_speed.window_mean([(1.0, 10.0), (2.0, 20.0), (5.0, 99.0)], 1.0, 2.0) == 15.0
+    assert gpu_speed.window_mean([(9.0, 1.0)], 1.0, 2.0) is None

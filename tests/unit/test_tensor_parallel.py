@@ -1,7 +1,7 @@
 """Tensor parallel: what guards tensor_parallel_size > 1, and the TP mode of lab/gpu_check.py.
 
 The two-GPU run that served TP=2 (2 x H200, 2026-11-27) is checked from its record in
-tests/unit/test_gpu_multi_run.py; these tests pin the decisions it relied on.
+tests/records/test_h200x2_tensor_parallel_and_placement.py; these tests pin the decisions it relied on.
 
 * `llmhost placement` (tests/unit/test_placement.py has its cases) and the roles agree:
   a TP=2 model is KIND_MODEL (the roles' default kind on profile gpu), on 2 GPUs.
