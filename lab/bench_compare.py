@@ -306,7 +306,7 @@ def main() -> int:
             print(f"\nthe gateway's own CPU per output token (median of rounds): "
                   f"{record['gateway_cpu_ms_per_token']} ms")
     comparisons: list[tuple[str, str, Goal | None]] = [(g.path, g.base, g) for g in GOALS]
-    comparisons.append(("triton", "vllm", None))  # no goal of its own here: issue 14 sets the GPU's
+    comparisons.append(("triton", "vllm", None))  # no goal here: the speed goal is the GPU's
     summary: dict[str, object] = {}
     for path, base, goal in comparisons:
         if path not in runs or base not in runs:

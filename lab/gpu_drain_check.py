@@ -1,4 +1,5 @@
-"""Drain on stop on a real GPU host, recorded (issue 12's stop file, issue 14's stop check).
+"""Drain on stop on a real GPU host, recorded: streams in flight at SIGTERM finish (the
+backend drains on the stop file), and those that outlive the drain end with an error.
 
 Run on a GPU host whose python3 imports vLLM, nvidia-pytriton and llmhost (the device
 kit: ../shared/gpu-kit). Serves the generated tiny model with `llmhost serve --device

@@ -1,4 +1,5 @@
-"""Issue 12's engine lifecycle and input checks on a real GPU host.
+"""The engine lifecycle and input checks on a real GPU host: start, bounds, admin APIs,
+an engine killed mid-stream, stop.
 
 The check lives in lab.gpucheck.lifecycle (its docstring says what it records and how to
 run it); src/ must be importable (the device kit's gpu-setup.sh puts it on the path).

@@ -1,4 +1,4 @@
-"""Issue 14's GPU speed run: the Triton path against vLLM's own OpenAI server.
+"""The GPU speed run: the Triton path against vLLM's own OpenAI server.
 
 The check lives in lab.gpucheck.speed (its docstring says what it records and how to
 run it); src/ must be importable (the device kit's gpu-setup.sh puts it on the path).

@@ -1,4 +1,4 @@
-"""Issue 12's engine lifecycle and input checks on a real GPU host, recorded.
+"""The engine lifecycle and input checks on a real GPU host, recorded.
 
 Run on a GPU host whose python3 imports vLLM, nvidia-pytriton and llmhost (the
 device kit: ../shared/gpu-kit). It serves the generated tiny model with

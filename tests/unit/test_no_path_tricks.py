@@ -1,6 +1,6 @@
 """Imports go through packages, never around them: no code in src/, lab/ or tests/
 edits sys.path or imports a module by its file path, and no role reaches out of itself
-with role_path/../.. (issue 15). A match names the file and line."""
+with role_path/../.. (each role reads only its own files). A match names the file and line."""
 
 from __future__ import annotations
 
