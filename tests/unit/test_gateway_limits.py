@@ -104,12 +104,16 @@ def test_a_refused_request_takes_nothing():
     assert info.value.limit == "tpm"
     limiter.admit(key, 0)
     limiter.admit(key, 0)  # rpm 3: the refused request took none of it
+    with pytest.raises(RateLimited) as info:  # and the three admitted took all of it
+        limiter.admit(key, 0)
+    assert info.value.limit == "rpm"
 
 
 def test_keys_without_limits_are_unlimited():
     limiter = KeyLimiter(Clock())
-    leases = [limiter.admit(_key(), 10_000) for _ in range(1000)]  # none raises RateLimited
-    assert len(leases) == 1000
+    leases = [limiter.admit(_key(), 10_000) for _ in range(1000)]  # 1000 in flight at once, none refused
+    assert [lease.charged for lease in leases] == [0.0] * 1000  # no tpm bucket: nothing charged up front
+    assert limiter.admit(ApiKey("tpm", "1" * 64, tpm=100), 10_000).charged == 100  # a key with tpm is charged
 
 
 def test_a_key_without_its_own_bound_gets_the_default_one():
