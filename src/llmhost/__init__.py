@@ -1,3 +1,3 @@
 """llmhost: a production LLM endpoint on bare metal: Triton + vLLM, deployed by Ansible."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -300,7 +300,8 @@ def test_the_gateway_only_host_converges_to_no_change(gateway_only: GatewayOnly)
 # 4. the same once more: nothing to change, so changed=0 and nobody is held.
 # Through all of it no request through C fails and no stream ends early.
 
-NEW_VERSION = "0.1.0.post1"
+# A build newer than the one in this tree (pyproject's version, then .post1).
+NEW_VERSION = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1) + ".post1"  # type: ignore[union-attr]
 ADMIN_KEY_FILE = "/etc/llmhost/llmhost-gateway-admin-key"
 LOAD_MAX_TOKENS = 16
 
