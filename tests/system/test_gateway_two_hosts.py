@@ -1,4 +1,4 @@
-"""Two booted hosts behind one gateway (issue 13, "many hosts"), and a gateway on a
+"""Two booted hosts behind one gateway (routing and failover across inference hosts), and a gateway on a
 host of its own.
 
 Host A is the session's converged host. Host B is booted here and converged with
