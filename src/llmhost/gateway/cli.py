@@ -107,8 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=_positive,
                    help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES}); larger: 413")
     p.add_argument("--metrics-listen", type=_host_port, metavar="HOST:PORT",
-                   help="Prometheus metrics, GET /metrics without authentication "
-                        f"(default {join_host_port(d.metrics_listen)})")
+                   help=f"Prometheus metrics, GET /metrics (default {join_host_port(d.metrics_listen)})")
+    p.add_argument("--metrics-token-file", type=Path, metavar="PATH",
+                   help="a file holding the SHA-256 (hex, as hash-key prints it) of the token /metrics asks "
+                        "for: Authorization: Bearer TOKEN, or basic auth with TOKEN as the password; else 401")
+    p.add_argument("--allow-anonymous-metrics", action="store_true", default=None,
+                   help="serve /metrics (it names the keys) on an address other than loopback without a "
+                        "token (refused otherwise)")
     p.add_argument("--health-interval-s", type=_seconds, metavar="S",
                    help=f"how often every upstream's models are checked (default {d.health_interval_s:g})")
     p.add_argument("--health-timeout-s", type=_seconds, metavar="S",
@@ -203,6 +208,11 @@ def settings(args: argparse.Namespace) -> GatewayConfig:
         raise ConfigError(f"--listen {join_host_port(config.listen)} without TLS would take API keys and prompts in "
                           "plain HTTP from the network: give --tls-cert and --tls-key, listen on loopback, or "
                           "say --allow-plaintext (allow_plaintext: true)")
+    if (config.metrics_token_file is None and not is_loopback(config.metrics_listen[0])
+            and not config.allow_anonymous_metrics):
+        raise ConfigError(f"--metrics-listen {join_host_port(config.metrics_listen)} without a token would show "
+                          "every key's name and traffic to the network: give --metrics-token-file, listen on "
+                          "loopback, or say --allow-anonymous-metrics (allow_anonymous_metrics: true)")
     if len(set(config.upstreams)) != len(config.upstreams):
         raise ConfigError("an upstream is given twice")
     for upstream in config.engine_sockets:
@@ -249,6 +259,23 @@ def check_tls(config: GatewayConfig) -> None:
                           f"certificate and key ({exc})") from None
 
 
+def metrics_token(config: GatewayConfig) -> str | None:
+    """The SHA-256 (hex) in the metrics token file, or None without one; ConfigError
+    names the file when it cannot be read or holds anything else."""
+    path = config.metrics_token_file
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="ascii").strip().lower()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not ASCII text"
+        raise ConfigError(f"--metrics-token-file {path}: cannot read it: {reason}") from None
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise ConfigError(f"--metrics-token-file {path}: must hold the 64 hex digits of the token's SHA-256 "
+                          "(`llmhost gateway hash-key` prints them)")
+    return text
+
+
 def reload_tls(context: ssl.SSLContext, config: GatewayConfig) -> bool:
     """The certificate and key files loaded again into the serving CONTEXT: connections
     from now on get them. A pair that does not load leaves CONTEXT as it was. Says on
@@ -271,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = settings(args)
         check_tls(config)
+        token = metrics_token(config)
         check_loop(config.event_loop)
     except ConfigError as exc:
         print(f"llmhost gateway: {exc}", file=sys.stderr)
@@ -288,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     place = WorkerPlace.parse(place_text) if place_text else None
     count = place.count if place is not None else worker_count(config.workers)
     if place is None and count > 1:
-        return supervise_main(config, keys, argv, count)
+        return supervise_main(config, keys, argv, count, token)
     if count > 1:
         config = worker_config(config, count)
     from llmhost.gateway.accesslog import AccessLog
@@ -300,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     _raise_open_files(config)
     if place is None:
         _say_serving(config, len(keys), "one process")
-    run(_serve(app, metrics, config, place), config.event_loop)
+    run(_serve(app, metrics, config, place, token), config.event_loop)
     return 0
 
 
@@ -317,11 +345,13 @@ def _say_serving(config: GatewayConfig, keys: int, processes: str) -> None:
     scheme = "https" if config.tls_cert is not None else "http"
     print(f"llmhost gateway: OpenAI API on {scheme}://{join_host_port(config.listen)}/v1 for "
           f"{', '.join(config.models)} via {', '.join(config.upstreams)}; {keys} key(s); metrics on "
-          f"http://{join_host_port(config.metrics_listen)}/metrics; event loop "
+          f"http://{join_host_port(config.metrics_listen)}/metrics"
+          f"{' (token)' if config.metrics_token_file is not None else ''}; event loop "
           f"{config.event_loop}; {processes}", file=sys.stderr, flush=True)
 
 
-def supervise_main(config: GatewayConfig, keys: list[ApiKey], argv: list[str], count: int) -> int:
+def supervise_main(config: GatewayConfig, keys: list[ApiKey], argv: list[str], count: int,
+                   token: str | None = None) -> int:
     """COUNT worker processes on the port, each with a socket of its own (workers.supervise)."""
     from llmhost.gateway.metrics import metrics_app
     from llmhost.gateway.workers import supervise
@@ -334,7 +364,7 @@ def supervise_main(config: GatewayConfig, keys: list[ApiKey], argv: list[str], c
         return 2
 
     def metrics_server(scrape: Any) -> Any:
-        return _side_server(uvicorn_configs(None, metrics_app(scrape), config)[1])
+        return _side_server(uvicorn_configs(None, metrics_app(scrape, token), config)[1])
 
     _say_serving(config, len(keys), f"{count} worker processes")
     run(supervise(config, keys, argv, sockets, metrics_server), "asyncio")
@@ -374,7 +404,8 @@ def _side_server(config: Any) -> Any:
     return Beside(config)
 
 
-async def _serve(app: Any, metrics: Any, config: GatewayConfig, place: WorkerPlace | None = None) -> None:
+async def _serve(app: Any, metrics: Any, config: GatewayConfig, place: WorkerPlace | None = None,
+                 token: str | None = None) -> None:
     """The API server (it takes SIGTERM/SIGINT: stops accepting, lets requests in flight
     finish for up to drain_timeout_s) and, beside it, the metrics server and the
     upstream health checks, which end with it. As worker PLACE: on its inherited
@@ -385,7 +416,7 @@ async def _serve(app: Any, metrics: Any, config: GatewayConfig, place: WorkerPla
     from llmhost.gateway.metrics import metrics_app
     from llmhost.gateway.workers import join
 
-    api_config, side_config = uvicorn_configs(app, metrics_app(metrics), config)
+    api_config, side_config = uvicorn_configs(app, metrics_app(metrics, token), config)
     api_config.load()  # now, so that its SSL context exists for SIGHUP
     if api_config.ssl is not None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_tls, api_config.ssl, config)

@@ -9,6 +9,8 @@ unknown key is refused by name. Relative paths are relative to the file's folder
     listen: "0.0.0.0:18080"            # --listen
     allow_plaintext: false             # --allow-plaintext; plain HTTP on an address other than loopback
     metrics_listen: "127.0.0.1:18081"  # --metrics-listen
+    metrics_token_file: /etc/llmhost/metrics-token.sha256  # --metrics-token-file; SHA-256 of /metrics' token
+    allow_anonymous_metrics: false     # --allow-anonymous-metrics; /metrics off loopback without a token
     keys_file: /etc/llmhost/keys.json  # --keys-file; required, from the file or flags
     max_body_bytes: 8388608            # --max-body-bytes; larger bodies: 413
     drain_timeout_s: 30                # --drain-timeout-s; on SIGTERM, in-flight requests get this long
@@ -91,6 +93,11 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     listen: tuple[str, int] = ("127.0.0.1", 18080)
     metrics_listen: tuple[str, int] = ("127.0.0.1", 18081)
+    # A file holding the hex SHA-256 of the token a scrape of /metrics must carry
+    # (metrics.metrics_app); None: no token asked for.
+    metrics_token_file: Path | None = None
+    # /metrics (it names the keys) off loopback without a token: refused unless this is set.
+    allow_anonymous_metrics: bool = False
     keys_file: Path | None = None
     drain_timeout_s: float = 30.0
     log_level: str = "warning"
@@ -130,7 +137,8 @@ _TOP: dict[str, tuple[str, str]] = {
     "max_body_bytes": ("max_body_bytes", "positive_int"), "drain_timeout_s": ("drain_timeout_s", "positive"),
     "log_level": ("log_level", "log_level"), "event_loop": ("event_loop", "event_loop"),
     "engine_sockets": ("engine_sockets", "socket_dirs"), "allow_plaintext": ("allow_plaintext", "bool"),
-    "workers": ("workers", "non_negative_int"),
+    "workers": ("workers", "non_negative_int"), "metrics_token_file": ("metrics_token_file", "path"),
+    "allow_anonymous_metrics": ("allow_anonymous_metrics", "bool"),
 }
 # Kinds whose value is one of a few names.
 _CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "event_loop": EVENT_LOOPS}

@@ -1,5 +1,8 @@
 """The gateway's Prometheus metrics, served on their own listener (``--metrics-listen``,
-``GET /metrics`` only, no authentication).
+``GET /metrics`` only). They name the keys, so the listener can ask for a token
+(``--metrics-token-file``: a file holding the SHA-256 of it, as ``llmhost gateway
+hash-key`` prints it): a scrape then needs ``Authorization: Bearer TOKEN`` (or basic
+auth with TOKEN as the password, any user name), else 401.
 
 - ``llmhost_gateway_requests_total{model,key,status}``: every response, once, when
   it has been sent (a stream: at its end; a client that left first: 499).
@@ -35,6 +38,10 @@ grow the series without bound.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import hmac
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -153,21 +160,55 @@ class GatewayMetrics:
         return self.render()
 
 
-def metrics_app(metrics: GatewayMetrics | Callable[[], Awaitable[bytes]]
+def presented_token(authorization: bytes | None) -> str | None:
+    """The token of an Authorization header: a Bearer token, or a basic-auth password
+    (the user name is not checked); None for anything else."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.decode("latin-1").strip().partition(" ")
+    value = value.strip()
+    if scheme.lower() == "bearer" and value:
+        return value
+    if scheme.lower() == "basic" and value:
+        try:
+            decoded = base64.b64decode(value, validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        _, sep, password = decoded.partition(":")
+        return password if sep and password else None
+    return None
+
+
+def token_allowed(authorization: bytes | None, token_sha256: str) -> bool:
+    """Whether AUTHORIZATION carries the token whose hex SHA-256 is TOKEN_SHA256
+    (compared in constant time)."""
+    token = presented_token(authorization)
+    digest = hashlib.sha256((token or "").encode("utf-8")).hexdigest()
+    return token is not None and hmac.compare_digest(digest, token_sha256.lower())
+
+
+def metrics_app(metrics: GatewayMetrics | Callable[[], Awaitable[bytes]], token_sha256: str | None = None
                 ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The metrics listener: ``GET /metrics`` (METRICS' own, or what a scrape function
-    returns: the supervisor of several workers); anything else 404."""
+    returns: the supervisor of several workers); anything else 404. With TOKEN_SHA256
+    (the hex SHA-256 of a token), a request without that token gets 401 and nothing else."""
     scrape = metrics.scrape if isinstance(metrics, GatewayMetrics) else metrics
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
+        headers: list[tuple[bytes, bytes]] = []
+        authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if token_sha256 is not None and not token_allowed(authorization, token_sha256):
+            status, body, ctype = 401, b"unauthorized: /metrics needs its token (Authorization: Bearer)\n", "text/plain"
+            headers.append((b"www-authenticate", b'Bearer realm="metrics"'))
+        elif scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
             status, body, ctype = 200, await scrape(), CONTENT_TYPE_LATEST
         else:
             status, body, ctype = 404, b"not found: only GET /metrics is served here\n", "text/plain"
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]})
+                    "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode()),
+                                *headers]})
         await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
 
     return app
