@@ -24,7 +24,7 @@ from starlette.routing import Route
 from llmhost.gateway.access import Access
 from llmhost.gateway.admin import AdminApi
 from llmhost.gateway.batch import merged, split
-from llmhost.gateway.config import GatewayConfig
+from llmhost.gateway.config import GatewayConfig, is_loopback, parse_host_port
 from llmhost.gateway.embeddings import backend_request, embed_all, embedding_body, not_an_embedding
 from llmhost.gateway.errors import ApiError, invalid, model_not_found
 from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
@@ -231,9 +231,17 @@ def make_pool(config: GatewayConfig, upstream: Any = None,
     if upstream is not None:
         members = [(config.upstreams[0], upstream)]
     else:
-        members = [(t, Upstream(t, config.health_timeout_s, config.engine_sockets.get(t), on_line))
-                   for t in config.upstreams]
+        members = [(t, Upstream(t, config.health_timeout_s, config.engine_sockets.get(t), on_line,
+                                upstream_ca(config, t))) for t in config.upstreams]
     return UpstreamPool(members, config.models, settings)
+
+
+def upstream_ca(config: GatewayConfig, target: str) -> bytes | None:
+    """The CA certificates that verify TARGET's gRPC over TLS: CONFIG's upstream_ca for
+    an upstream off loopback; None (plaintext) on loopback or without one."""
+    if config.upstream_ca is None or is_loopback(parse_host_port(target)[0]):
+        return None
+    return config.upstream_ca.read_bytes()
 
 
 def create_app(config: GatewayConfig, keys: KeyStore, upstream: Any = None, metrics: Any = None,

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="YAML file with the same settings (see llmhost.gateway.config); flags given win")
     p.add_argument("--upstream", type=_host_port, action="append", metavar="HOST:PORT",
                    help=f"a Triton gRPC address; repeat for several (default {d.upstreams[0]})")
+    p.add_argument("--upstream-ca", type=Path, metavar="PATH",
+                   help="CA certificate(s) (PEM) verifying the Triton gRPC servers of upstreams off loopback: "
+                        "their channels use TLS (Triton's --grpc-use-ssl); loopback upstreams stay plaintext")
     p.add_argument("--listen", type=_host_port, metavar="HOST:PORT",
                    help=f"where the gateway listens (default {join_host_port(d.listen)})")
     p.add_argument("--keys-file", type=Path, metavar="PATH",
@@ -259,6 +262,28 @@ def check_tls(config: GatewayConfig) -> None:
                           f"certificate and key ({exc})") from None
 
 
+def check_upstream_ca(config: GatewayConfig) -> None:
+    """The upstream CA file readable and holding PEM certificates; ConfigError names it.
+    Without one, upstreams off loopback are reached in plaintext: said on stderr."""
+    path = config.upstream_ca
+    if path is None:
+        remote = [u for u in config.upstreams if not is_loopback(parse_host_port(u)[0])]
+        if remote:
+            print(f"llmhost gateway: warning: gRPC to {', '.join(remote)} is plaintext (no TLS, no server "
+                  "check): give --upstream-ca with the CA of Triton's --grpc-server-cert", file=sys.stderr, flush=True)
+        return
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"--upstream-ca {path}: cannot read it: {exc.strerror}") from None
+    try:
+        found = ssl.create_default_context(cadata=data.decode("ascii")).get_ca_certs() if data.strip() else []
+    except (ssl.SSLError, ValueError, UnicodeDecodeError):
+        found = []
+    if not found:
+        raise ConfigError(f"--upstream-ca {path}: holds no PEM CA certificate") from None
+
+
 def metrics_token(config: GatewayConfig) -> str | None:
     """The SHA-256 (hex) in the metrics token file, or None without one; ConfigError
     names the file when it cannot be read or holds anything else."""
@@ -298,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = settings(args)
         check_tls(config)
+        check_upstream_ca(config)
         token = metrics_token(config)
         check_loop(config.event_loop)
     except ConfigError as exc:

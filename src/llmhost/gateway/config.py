@@ -5,6 +5,7 @@ wins over the file, the file over the defaults. Every key is optional; an
 unknown key is refused by name. Relative paths are relative to the file's folder::
 
     upstreams: ["127.0.0.1:8001", "10.0.0.6:8001"]  # --upstream (repeat); Triton gRPC HOST:PORT
+    upstream_ca: /etc/llmhost/triton-grpc-ca.crt  # --upstream-ca; gRPC over TLS to upstreams off loopback
     models: [tiny]                     # --model (repeat); required, from the file or flags
     listen: "0.0.0.0:18080"            # --listen
     allow_plaintext: false             # --allow-plaintext; plain HTTP on an address other than loopback
@@ -90,6 +91,9 @@ def join_host_port(host_port: tuple[str, int]) -> str:
 class GatewayConfig:
     upstreams: list[str] = field(default_factory=lambda: [DEFAULT_UPSTREAM])  # Triton gRPC HOST:PORT each
     models: list[str] = field(default_factory=list)  # the model names served through the gateway
+    # PEM CA certificates verifying the Triton gRPC servers of upstreams off loopback:
+    # with it, their channels use TLS; loopback upstreams stay plaintext.
+    upstream_ca: Path | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     listen: tuple[str, int] = ("127.0.0.1", 18080)
     metrics_listen: tuple[str, int] = ("127.0.0.1", 18081)
@@ -138,7 +142,7 @@ _TOP: dict[str, tuple[str, str]] = {
     "log_level": ("log_level", "log_level"), "event_loop": ("event_loop", "event_loop"),
     "engine_sockets": ("engine_sockets", "socket_dirs"), "allow_plaintext": ("allow_plaintext", "bool"),
     "workers": ("workers", "non_negative_int"), "metrics_token_file": ("metrics_token_file", "path"),
-    "allow_anonymous_metrics": ("allow_anonymous_metrics", "bool"),
+    "allow_anonymous_metrics": ("allow_anonymous_metrics", "bool"), "upstream_ca": ("upstream_ca", "path"),
 }
 # Kinds whose value is one of a few names.
 _CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "event_loop": EVENT_LOOPS}

@@ -236,8 +236,10 @@ class Upstream:
     when given, sees every engine socket line (the gateway's metrics)."""
 
     def __init__(self, target: str, timeout_s: float = 5.0, socket_dir: Path | None = None,
-                 on_line: Callable[[str, int, float], None] | None = None) -> None:
+                 on_line: Callable[[str, int, float], None] | None = None, ca: bytes | None = None) -> None:
         self.target = target
+        # PEM CA certificates that verify the server: gRPC over TLS (None: plaintext).
+        self.ca = ca
         self.timeout_s = timeout_s
         self.socket_dir = socket_dir
         self.on_line = on_line
@@ -247,8 +249,13 @@ class Upstream:
 
     def _get_stub(self) -> Any:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=[
-                ("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+            options = [("grpc.max_send_message_length", _MAX_MESSAGE),
+                       ("grpc.max_receive_message_length", _MAX_MESSAGE)]
+            if self.ca is not None:
+                credentials = grpc.ssl_channel_credentials(root_certificates=self.ca)
+                self._channel = grpc.aio.secure_channel(self.target, credentials, options=options)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.target, options=options)
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         return self._stub
 
