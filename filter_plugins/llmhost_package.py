@@ -14,7 +14,7 @@ The result is ``llmhost.cuda.match_report``'s report: ``status`` is ``match`` (w
 ``match``: tag, cuda, min_driver, packages, torch_index_url, vllm_index_url, ...),
 ``no_driver``, ``driver_too_old`` or ``error``, and ``error`` says why.
 
-llmhost_placement: the models' Triton instance kind and GPUs, by llmhost.placement (the
+llmhost_placement: the models' Triton instance kind and GPUs, by llmhost.server.placement (the
 rule of ``llmhost placement`` and ``llmhost serve``); the model_repository role uses it.
 
     {{ models | llmhost_placement(gpu_count=2, profile='gpu', engine_args={...}) }}
@@ -37,8 +37,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "llmhost"
 
 
 def _load(name):
-    """src/llmhost/NAME.py as a module of its own (once per controller process)."""
-    key = f"_llmhost_{name}_for_ansible"
+    """src/llmhost/NAME.py (NAME may hold a subpackage: "server/placement") as a module of
+    its own (once per controller process)."""
+    key = f"_llmhost_{name.replace('/', '_')}_for_ansible"
     module = sys.modules.get(key)
     if module is None:
         spec = importlib.util.spec_from_file_location(key, PACKAGE / f"{name}.py")
@@ -68,7 +69,7 @@ def llmhost_cuda_match(matrix, vllm=None, smi=None, cuda_version=None, minor_com
 
 
 def llmhost_placement(models, gpu_count=None, profile="gpu", engine_args=None):
-    placement = _load("placement")
+    placement = _load("server/placement")
     count = None if gpu_count in (None, "") else int(gpu_count)
     try:
         placed = placement.plan(list(models or []), count, str(profile), dict(engine_args or {}))

@@ -7,7 +7,7 @@ backend's `/generate_stream`, HTTP SSE), `gateway` (the same Triton behind
 OpenAI server). They never run at the same time (vLLM's CPU workers would compete
 for the cores): each round starts one, measures it, stops it, then the next, the
 order rotating by one each round. Reports per concurrency level the median of the
-per-round ratios against the goals of llmhost.bench_compare, the gateway's CPU per
+per-round ratios against the goals of llmhost.bench.compare, the gateway's CPU per
 output token, and writes JSON and a PNG under bench-results/. Not a test: it prints
 numbers and gates nothing.
 """
@@ -33,8 +33,7 @@ import requests
 
 from llmhost.backend.config import BackendSettings
 from llmhost.backend.cpus import pin_threads
-from llmhost.bench import LevelResult, Target, Workload, plot, sweep, table
-from llmhost.bench_compare import (
+from llmhost.bench.compare import (
     GOALS,
     PATHS,
     Goal,
@@ -45,7 +44,8 @@ from llmhost.bench_compare import (
     round_order,
     write_bench_key,
 )
-from llmhost.tiny_model import write_tiny_model
+from llmhost.bench.loadgen import LevelResult, Target, Workload, plot, sweep, table
+from llmhost.tiny.model import write_tiny_model
 
 MAX_MODEL_LEN = 1024
 # The CPUs this script may use, read before the load generator is pinned.
@@ -78,7 +78,7 @@ def frontend_cpus(proc: subprocess.Popen[bytes]) -> set[int] | None:
 
 
 def server_client_cpus(proc: subprocess.Popen[bytes]) -> set[int]:
-    """The CPUs the server's bound vLLM workers leave free (llmhost.bench_compare.client_cpus)."""
+    """The CPUs the server's bound vLLM workers leave free (llmhost.bench.compare.client_cpus)."""
     processes = []
     for p in psutil.Process(proc.pid).children(recursive=True):
         try:

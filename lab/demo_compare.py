@@ -1,7 +1,7 @@
 """Lab: the demo host as `make demo` leaves it (the roles' defaults: the gateway on the
 host streams from the engine socket) against `vllm serve` on this machine, on the same
 tiny model, both measured by vLLM's own client (`vllm bench serve`, in process:
-llmhost.vllm_bench), in alternating order per round.
+llmhost.bench.vllm_client), in alternating order per round.
 
 Run after `make demo`. It writes the demo's model again here (`source: tiny`, seed 0:
 byte-identical weights), starts `vllm serve` on it with the demo's engine arguments,
@@ -29,7 +29,7 @@ from typing import Any
 import requests
 
 from lab.stream_compare import SIDES, alternate, log, measure_level, ratios, requests_for, workload_parser
-from llmhost.tiny_model import write_tiny_model
+from llmhost.tiny.model import write_tiny_model
 
 NAME = "tiny"
 # The demo's model entry (inventory/demo.yml) and the CPU engine arguments the roles give it.
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "vllm": vllm.__version__,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "workload": {"client": "vllm bench serve (in process, llmhost.vllm_bench), on this machine",
+        "workload": {"client": "vllm bench serve (in process, llmhost.bench.vllm_client), on this machine",
                      "dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
                      "ignore_eos": True, "concurrency": levels, "requests": {c: requests_for(c) for c in levels}},
         "engine_args": ENGINE_ARGS, "streaming": STREAMING, "runs": {s: [] for s in SIDES}, "order": []}

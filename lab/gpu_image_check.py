@@ -9,7 +9,7 @@ kit: ../shared/gpu-kit). It writes two random models with the tiny model's token
   patches: 16 patch features once the class token is dropped, the "default" strategy)
   and a Qwen2 text model of the tiny model's size (vocabulary padded to 4160), bf16.
   vLLM's LLaVA needs torchvision, which CPU CI lacks: this is its only run.
-* ``blip2``: llmhost.tiny_vision_model (vLLM inserts its 8 query tokens itself).
+* ``blip2``: llmhost.tiny.vision (vLLM inserts its 8 query tokens itself).
 
 Each is served with ``llmhost serve --device gpu`` (enforce_eager) and asked over HTTP
 ``/v2/models/NAME/generate`` and a gRPC stream: text alone; one picture (prompt tokens
@@ -48,8 +48,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmhost import tiny_model
-from llmhost.tiny_vision_model import IMAGE_TOKEN, image_tokenizer, picture
+from llmhost.tiny import model as tiny_model
+from llmhost.tiny.vision import IMAGE_TOKEN, image_tokenizer, picture
 
 HTTP, GRPC, METRICS = 18600, 18601, 18602
 URL = f"http://127.0.0.1:{HTTP}"
@@ -380,7 +380,7 @@ def versions() -> dict[str, str]:
 
 
 def check_model(kind: str, work: Path, out_dir: Path, red: str, blue: str, device: str) -> dict[str, Any]:
-    from llmhost.tiny_vision_model import QUERY_TOKENS, write_tiny_vision_model
+    from llmhost.tiny.vision import QUERY_TOKENS, write_tiny_vision_model
 
     t0 = time.monotonic()
     path = write_tiny_llava(work / kind) if kind == "llava" else write_tiny_vision_model(work / kind)
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     kinds = [k for k in args.models.split(",") if k]
     if args.write_only:
-        from llmhost.tiny_vision_model import write_tiny_vision_model
+        from llmhost.tiny.vision import write_tiny_vision_model
 
         for kind in kinds:
             path = write_tiny_llava(args.work / kind) if kind == "llava" else write_tiny_vision_model(args.work / kind)

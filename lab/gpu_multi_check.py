@@ -23,7 +23,7 @@ order, recording each phase in OUT/result.json as it ends:
    engine arguments): bench rounds 1 and 2, then SIGTERM to its main process alone.
 5. `serve_tp_again`: phase 3's servers once more for bench round 2, then stop.
 
-Bench: vLLM's own client in this process (llmhost.vllm_bench, through
+Bench: vLLM's own client in this process (llmhost.bench.vllm_client, through
 lab/stream_compare.py's measure_level), random 256-token prompts, 128 tokens out,
 ignore_eos, c=16/64/256 after a warm-up of 64 requests: round 1 llmhost then vLLM,
 round 2 vLLM then llmhost. Both TP=2 servers need both GPUs, so they run one after
@@ -173,7 +173,7 @@ class Bench:
     def __init__(self, run: Run, model: Path, levels: list[int], gpus: GpuUse) -> None:
         self.run, self.model, self.levels, self.gpus = run, model, levels, gpus
         run.res.setdefault("bench", {"workload": {
-            "client": "vllm bench serve (in process, llmhost.vllm_bench), on the same host as the servers",
+            "client": "vllm bench serve (in process, llmhost.bench.vllm_client), on the same host as the servers",
             "dataset": "random", "input_len": 256, "output_len": 128, "ignore_eos": True,
             "concurrency": levels, "requests": {c: requests_for(c) for c in levels}},
             "streaming": {"llmhost": "OpenAI SSE (/v1/completions) from llmhost gateway reading the engine "
@@ -284,7 +284,7 @@ def drain_and_stop(run: Run, server: Server, shm_before: set[str]) -> dict[str, 
 
 
 def llmhost_side(run: Run, model: Path, bench: Bench, rounds: list[int], phase: str, kill: bool) -> None:
-    from llmhost.admin_key import read_key
+    from llmhost.server.admin_key import read_key
 
     res: dict[str, Any] = {"gpu_memory_used_mib_before": gpu_memory()}
     run.res[phase] = res

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmhost.promql import panel_queries, query, substitute
+from llmhost.bench.promql import panel_queries, query, substitute
 
 PORT = 19990
 # The repository's dashboards, beside this script (src/ must be importable too).

@@ -1,5 +1,5 @@
 """Lab: llmhost's gateway (streaming from the engine sockets) against `vllm serve`, both
-measured by vLLM's own client (`vllm bench serve`, in process: llmhost.vllm_bench).
+measured by vLLM's own client (`vllm bench serve`, in process: llmhost.bench.vllm_client).
 
 Run on a GPU host with the device kit (../shared/gpu-kit, after gpu-setup.sh). It writes
 the Qwen3-0.6B-shaped random model (lab.gpucheck.model), starts `llmhost serve
@@ -33,8 +33,8 @@ from typing import Any
 
 from lab.gpucheck.model import make_in_child
 from lab.gpucheck.speed import GATEWAY_KEY, NAME, Gateway, Server, order, tail
+from llmhost.bench.vllm_client import client_argv, run_level, summarize
 from llmhost.gateway.workers import worker_count
-from llmhost.vllm_bench import client_argv, run_level, summarize
 
 SIDES = ("gateway", "vllm")
 STREAMING = {
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/stream-compare-work"))
     ap.add_argument("--door", choices=("openai", "native"), default="openai",
                     help="the gateway's door to measure: OpenAI's /v1/completions, or Triton's generate_stream "
-                         "(the native API through the gateway, llmhost.vllm_bench's request function)")
+                         "(the native API through the gateway, llmhost.bench.vllm_client's request function)")
     args = ap.parse_args(argv)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": subprocess.run(["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"],
                                capture_output=True, text=True).stdout.strip().splitlines(),
         "cpus": os.cpu_count(), "placement": {"llmhost": gpu_of["triton"], "vllm": gpu_of["vllm"]},
-        "workload": {"client": "vllm bench serve (in process, llmhost.vllm_bench), on the same host",
+        "workload": {"client": "vllm bench serve (in process, llmhost.bench.vllm_client), on the same host",
                      "dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
                      "ignore_eos": True, "concurrency": levels,
                      "requests": {c: requests_for(c) for c in levels}},

@@ -53,6 +53,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from llmhost.tiny_model import write_tiny_model
+    from llmhost.tiny.model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)

@@ -99,7 +99,7 @@ def placed_entries(model: Path, wanted: list[dict[str, Any]], gpu_count: int) ->
     its own name, with the kind and GPUs the placement rule gives it (the filter
     llmhost_placement in roles/model_repository/vars: `gpus` written only where the
     inventory pinned them). WANTED holds the inventory's name, kind and gpus per model."""
-    from llmhost.placement import plan
+    from llmhost.server.placement import plan
 
     entries = []
     for placed in plan(wanted, gpu_count):
@@ -131,8 +131,8 @@ def roles_model_entry(model: Path, tensor_parallel_size: int = 1) -> dict[str, A
 
 def unit_environment(state: Path, triton: Any) -> dict[str, str]:
     """tritonserver.env.j2 (profile gpu) over this process's environment."""
-    from llmhost.layout import python_libdir
-    from llmhost.stopfile import STOP_FILE_ENV, STOP_FILE_NAME
+    from llmhost.server.layout import python_libdir
+    from llmhost.server.stopfile import STOP_FILE_ENV, STOP_FILE_NAME
 
     env = dict(os.environ)
     env.update({
@@ -149,9 +149,9 @@ def unit_environment(state: Path, triton: Any) -> dict[str, str]:
 
 def unit_command(triton: Any, repo: Path, backends: Path, key: str) -> list[str]:
     """The unit's ExecStart with the roles' defaults (profile gpu; exit timeout: the drain
-    + 30 s), from the template the unit renders (llmhost/templates/tritonserver.args.j2)."""
-    from llmhost.admin_key import restriction
-    from llmhost.serve import tritonserver_argv
+    + 30 s), from the template the unit renders (llmhost/server/templates/tritonserver.args.j2)."""
+    from llmhost.server.admin_key import restriction
+    from llmhost.server.serve import tritonserver_argv
 
     return tritonserver_argv(server=str(triton.server), model_repository=str(repo), backend_directory=str(backends),
                              address="127.0.0.1", http_port=HTTP, grpc_port=GRPC, metrics_address="127.0.0.1",
@@ -178,7 +178,7 @@ class Server:
         self.env: dict[str, str] = {}
 
     def start(self) -> None:
-        from llmhost.admin_key import ensure_key_file, read_key
+        from llmhost.server.admin_key import ensure_key_file, read_key
 
         if self.work.exists():
             shutil.rmtree(self.work)
@@ -194,7 +194,7 @@ class Server:
             key_file = self.work / "admin-key"
             wait(key_file.exists, 60, 0.2)
         else:
-            from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir
+            from llmhost.server.layout import TritonInstall, make_backend_dir, make_model_dir
 
             triton = TritonInstall.from_pytriton()
             make_backend_dir(self.work / "backends", triton)
@@ -218,7 +218,7 @@ class Server:
     def stop(self, shm_before: set[str]) -> dict[str, Any]:
         """SIGTERM as serve's user or the unit's ExecStop would; what is left afterwards."""
         assert self.proc is not None
-        from llmhost.stopfile import announce_stop
+        from llmhost.server.stopfile import announce_stop
 
         if self.kind == KIND_MODEL:
             announce_stop(self.work / "run" / "stopping", self.proc.pid)
@@ -277,7 +277,7 @@ def metric(name: str, *labels: str) -> float:
 
 def loaded_config(key: str, name: str = NAME, base: str = URL) -> dict[str, Any]:
     """The instance groups of the model config Triton loaded (read with the admin key)."""
-    from llmhost.admin_key import HEADER
+    from llmhost.server.admin_key import HEADER
 
     status, text = http("GET", f"/v2/models/{name}/config", headers={HEADER: key}, base=base)
     if status != 200:

@@ -151,7 +151,7 @@ def bounds_case(res: dict[str, Any]) -> None:
 
 
 def admin_case(workdir: Path, res: dict[str, Any]) -> None:
-    from llmhost.admin_key import HEADER, read_key
+    from llmhost.server.admin_key import HEADER, read_key
 
     key = read_key(workdir / "admin-key")
     body = {"log_verbose_level": 0}

@@ -19,7 +19,7 @@ MAX_MODEL_LEN = 4096
 
 def make_model(kind: str, path: Path, seed: int = 0) -> dict[str, Any]:
     """The tiny model, or Qwen3-0.6B's shape with the tiny model's tokenizer (random bf16)."""
-    from llmhost.tiny_model import write_tiny_model
+    from llmhost.tiny.model import write_tiny_model
 
     if (path / "config.json").exists():
         return json.loads((path / "config.json").read_text())

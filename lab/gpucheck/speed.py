@@ -310,11 +310,11 @@ def window_mean(samples: list[tuple[float, float]], start: float, end: float) ->
 def ratios(runs: dict[str, list[dict[str, Any]]], path: str, base: str) -> list[dict[str, Any]]:
     """Per level, PATH against BASE from the raw per-round sweeps (JSON as `llmhost bench`
     writes them): each round's tokens/s and TTFT p50 on both sides, their ratios, and the
-    medians of those per-round ratios (llmhost.bench_compare's arithmetic)."""
+    medians of those per-round ratios (llmhost.bench.compare's arithmetic)."""
     from dataclasses import fields
 
-    from llmhost.bench import LevelResult
-    from llmhost.bench_compare import compare
+    from llmhost.bench.compare import compare
+    from llmhost.bench.loadgen import LevelResult
 
     known = {f.name for f in fields(LevelResult)}
     as_results = {side: [[LevelResult(**{k: v for k, v in level.items() if k in known}) for level in sweep["levels"]]
@@ -332,7 +332,7 @@ def ratios(runs: dict[str, list[dict[str, Any]]], path: str, base: str) -> list[
 
 
 def misses(rows: list[dict[str, Any]], goal: dict[str, Any] = GOAL) -> list[str]:
-    from llmhost.bench_compare import Goal, check
+    from llmhost.bench.compare import Goal, check
 
     levels = goal.get("levels")
     return check(Goal(goal["path"], goal["base"], goal["min_tps_ratio"], goal["max_ttft_ratio"],
@@ -344,7 +344,7 @@ def gateway_goals() -> dict[str, dict[str, Any]]:
     as GOAL-shaped dicts, by "path/base"."""
     from dataclasses import asdict
 
-    from llmhost.bench_compare import GOALS
+    from llmhost.bench.compare import GOALS
 
     return {f"{g.path}/{g.base}": asdict(g) for g in GOALS}
 
@@ -500,7 +500,7 @@ class Gateway(Server):
         self.keys_file, self.key_file = work / "gateway-keys.yml", work / "gateway-key.txt"
 
     def command(self) -> list[str]:
-        from llmhost.bench_compare import gateway_args
+        from llmhost.bench.compare import gateway_args
 
         return [sys.executable, "-m", "llmhost.cli", "gateway",
                 *gateway_args(f"127.0.0.1:{self.upstream.port + 1}", f"127.0.0.1:{self.port}",
@@ -516,7 +516,7 @@ class Gateway(Server):
         return get(self.url + "/v1/models", headers={"Authorization": f"Bearer {GATEWAY_KEY}"}) == 200
 
     def start(self, timeout_s: float = 420) -> float:
-        from llmhost.bench_compare import write_bench_key
+        from llmhost.bench.compare import write_bench_key
 
         write_bench_key(self.keys_file, GATEWAY_KEY)
         self.key_file.write_text(GATEWAY_KEY + "\n")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from llmhost.backend.config import BackendSettings
-from llmhost.placement import KINDS
+from llmhost.server.placement import KINDS
 
 
 def _key_value(text: str) -> tuple[str, Any]:
@@ -31,9 +31,9 @@ def _port(text: str) -> int:
 
 # `llmhost <command> DIR`: (module, function, what it writes); generated, nothing downloaded.
 TINY = {
-    "tiny-model": ("llmhost.tiny_model", "write_tiny_model", "tiny model"),
-    "tiny-vision-model": ("llmhost.tiny_vision_model", "write_tiny_vision_model", "tiny vision model"),
-    "tiny-lora": ("llmhost.tiny_lora", "write_tiny_lora", "tiny LoRA adapter"),
+    "tiny-model": ("llmhost.tiny.model", "write_tiny_model", "tiny model"),
+    "tiny-vision-model": ("llmhost.tiny.vision", "write_tiny_vision_model", "tiny vision model"),
+    "tiny-lora": ("llmhost.tiny.lora", "write_tiny_lora", "tiny LoRA adapter"),
 }
 
 
@@ -206,7 +206,7 @@ def _bench(args: argparse.Namespace) -> int:
     import platform
     import time
 
-    from llmhost.bench import Workload, plot, sweep_processes, table, write_json
+    from llmhost.bench.loadgen import Workload, plot, sweep_processes, table, write_json
 
     if args.requests is not None and args.requests < 1:
         print("llmhost bench: --requests must be >= 1", file=sys.stderr)
@@ -250,11 +250,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
-    """`llmhost bench --client vllm`: vLLM's own client, one run per level (llmhost.vllm_bench)."""
+    """`llmhost bench --client vllm`: vLLM's own client, one run per level (llmhost.bench.vllm_client)."""
     import dataclasses
     import json
 
-    from llmhost.vllm_bench import client_argv, run_level, summarize, table
+    from llmhost.bench.vllm_client import client_argv, run_level, summarize, table
 
     if args.kind == "grpc" or not args.tokenizer or args.duration is not None:
         print("llmhost bench: --client vllm needs --kind openai or http (Triton's generate_stream), --tokenizer "
@@ -283,7 +283,7 @@ def _default_grpc(url: str) -> str:
 # their modules as plain scripts on a host without the venv).
 DELEGATED = {
     "gpu-info": ("llmhost.cuda", "main_gpu_info", "detect NVIDIA GPUs and pick the CUDA build of vLLM/PyTorch"),
-    "placement": ("llmhost.placement", "main_placement", "check models' GPU placement (JSON in, JSON out)"),
+    "placement": ("llmhost.server.placement", "main_placement", "check models' GPU placement (JSON in, JSON out)"),
 }
 
 
@@ -302,10 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in TINY:
         return _write_tiny(args.command, args.dir, args.seed)
     if args.command == "serve":
-        from llmhost.admin_key import AdminKeyError
-        from llmhost.layout import LayoutError
-        from llmhost.placement import PlacementError
-        from llmhost.serve import ServeOptions, run
+        from llmhost.server.admin_key import AdminKeyError
+        from llmhost.server.layout import LayoutError
+        from llmhost.server.placement import PlacementError
+        from llmhost.server.serve import ServeOptions, run
 
         opts = ServeOptions(
             model=args.model, name=args.name, host=args.host, http_host=args.http_host, metrics_host=args.metrics_host,

@@ -25,7 +25,7 @@ import yaml
 
 from llmhost.backend.config import load_model_config
 from llmhost.backend.lora import with_adapters
-from llmhost.tiny_lora import write_tiny_lora
+from llmhost.tiny.lora import write_tiny_lora
 from tests.ansible._helpers import PlaybookRun, ansible_playbook
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the role writes root-owned directories")

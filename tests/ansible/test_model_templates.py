@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmhost.layout import render
+from llmhost.server.layout import render
 from tests.harness.paths import ROOT
 
 from ._helpers import ansible_playbook
@@ -30,7 +30,7 @@ TP2 = {**MODEL, "name": "big", "kind": "KIND_MODEL", "gpus": [2, 3], "settings":
 @pytest.mark.parametrize("template", ["model.json.j2", "config.pbtxt.j2"])
 def test_a_kind_model_models_gpus_reach_the_backend_not_triton(template: str, tmp_path: Path) -> None:
     out = tmp_path / template.removesuffix(".j2")
-    src = ROOT / "src" / "llmhost" / "templates" / template
+    src = ROOT / "src" / "llmhost" / "server" / "templates" / template
     play = [{"hosts": "localhost", "gather_facts": False, "connection": "local",
              "vars": {"ansible_python_interpreter": sys.executable},
              "tasks": [{"name": "Render", "ansible.builtin.template": {"src": str(src), "dest": str(out),
@@ -50,7 +50,7 @@ def test_a_kind_model_models_gpus_reach_the_backend_not_triton(template: str, tm
 @pytest.mark.parametrize("template", ["model.json.j2", "config.pbtxt.j2"])
 def test_ansible_renders_what_serve_renders_without_warnings(template: str, tmp_path: Path) -> None:
     out = tmp_path / template.removesuffix(".j2")
-    src = ROOT / "src" / "llmhost" / "templates" / template
+    src = ROOT / "src" / "llmhost" / "server" / "templates" / template
     play = [{"hosts": "localhost", "gather_facts": False, "connection": "local",
              "vars": {"ansible_python_interpreter": sys.executable},
              "tasks": [{"name": "Render", "ansible.builtin.template": {"src": str(src), "dest": str(out),

@@ -385,7 +385,7 @@ def test_torch_version_is_checked_against_the_chosen_release(release_runs: dict[
                         "pins torch 2.11.0 for vLLM 0.20.2")
 
 
-# -- the models' GPU placement (llmhost.placement through the filter llmhost_placement) ----
+# -- the models' GPU placement (llmhost.server.placement through the filter llmhost_placement) ----
 
 
 def test_gpu_placement_is_checked_against_the_hosts_gpus(tmp_path: Path) -> None:

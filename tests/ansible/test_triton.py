@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from llmhost.admin_key import ENV_NAME, HEADER, RESTRICTED_APIS, read_key, restriction_args
+from llmhost.server.admin_key import ENV_NAME, HEADER, RESTRICTED_APIS, read_key, restriction_args
 
 from ._helpers import REPO, PlaybookRun, ansible_playbook, load_yaml
 
@@ -111,11 +111,11 @@ UNIT_ONLY = ["--exit-on-error=false"]
 
 
 def test_unit_and_llmhost_serve_render_one_command_line(tmp_path: Path) -> None:
-    """Both render src/llmhost/templates/tritonserver.args.j2; from the same inputs
+    """Both render src/llmhost/server/templates/tritonserver.args.j2; from the same inputs
     they give the same argv, in the same order, but for UNIT_ONLY (the admin key is
     passed to serve as the unit's ${VAR}, which systemd expands)."""
-    from llmhost.layout import TritonInstall
-    from llmhost.serve import ServeOptions, server_command
+    from llmhost.server.layout import TritonInstall
+    from llmhost.server.serve import ServeOptions, server_command
 
     root = tmp_path / "llmhost"
     extra = ["--http-thread-count=32", "--log-info=false"]

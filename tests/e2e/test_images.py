@@ -1,4 +1,4 @@
-"""The `image` input on a real multimodal model: the tiny BLIP-2 (llmhost.tiny_vision_model)
+"""The `image` input on a real multimodal model: the tiny BLIP-2 (llmhost.tiny.vision)
 served by our backend on tritonserver and vLLM. A picture reaches the model (its
 query tokens are counted in the prompt, and another picture changes the model's
 log probabilities), over HTTP and a gRPC stream; the model's own limit of one image
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmhost.tiny_vision_model import QUERY_TOKENS, picture, write_tiny_vision_model
+from llmhost.tiny.vision import QUERY_TOKENS, picture, write_tiny_vision_model
 from tests.e2e._client import generate, grpc_stream, texts
 from tests.harness.server import Server, start_server, wait_gone
 

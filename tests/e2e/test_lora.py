@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llmhost.tiny_lora import write_tiny_lora
+from llmhost.tiny.lora import write_tiny_lora
 from tests.e2e._client import generate, grpc_stream, sampling, stream, texts
 from tests.harness.server import Server, start_server, wait_gone
 

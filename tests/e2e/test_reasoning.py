@@ -24,7 +24,7 @@ MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
 
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from llmhost.tiny_model import write_tiny_model
+    from llmhost.tiny.model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-thinker"), seed=0, think=True)
 

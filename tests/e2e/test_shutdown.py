@@ -60,7 +60,7 @@ def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: P
     (finalize runs), serve exits 0 and nothing is left. With the gateway cancelling
     each finished gRPC call, Triton 2.51 kept a reference to the model, spent its
     whole exit timeout waiting for it and exited 1; it did the same for the idle
-    connection until serve closed it once the model had drained (llmhost.stopserver)."""
+    connection until serve closed it once the model had drained (llmhost.server.stopserver)."""
     srv = start_server(tiny_model, tmp_path)
     assert _gateway_traffic(srv) == 160
     keep_alive = requests.Session()  # a pooled connection, idle through the stop

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from llmhost.bench import LevelResult, Target, Workload, run_level
+from llmhost.bench.loadgen import LevelResult, Target, Workload, run_level
 
 
 @dataclass

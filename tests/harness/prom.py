@@ -3,7 +3,7 @@ replayed as a TSDB, and the names a PromQL expression or an exposition holds.
 
 Debian's `prometheus` package provides /usr/bin/prometheus and /usr/bin/promtool
 (the test setup installs it; see mk/monitoring.mk). Nothing here installs anything.
-The dashboards' queries and the HTTP query API are llmhost.promql's.
+The dashboards' queries and the HTTP query API are llmhost.bench.promql's.
 """
 
 from __future__ import annotations

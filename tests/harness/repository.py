@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import requests
 
-from llmhost.admin_key import HEADER, read_key
+from llmhost.server.admin_key import HEADER, read_key
 from tests.harness.server import Server
 
 LOAD_TIMEOUT_S = 600  # a vLLM engine on a busy 2-core machine; a bound, not a target

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llmhost.tiny_model import write_tiny_model
+from llmhost.tiny.model import write_tiny_model
 from tests.harness.load import run_load, tree_rss_mib
 from tests.harness.server import start_server
 

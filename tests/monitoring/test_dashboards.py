@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmhost.promql import (
+from llmhost.bench.promql import (
     GRAFANA_BUILTINS,
     PanelQuery,
     api,

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from llmhost.tiny_vision_model import QUERY_TOKENS
+from llmhost.tiny.vision import QUERY_TOKENS
 from tests.harness.paths import FIXTURES
 
 RUN = FIXTURES / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-25-images"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from lab.gpucheck import check as gpu_check
-from llmhost.layout import make_model_dir
+from llmhost.server.layout import make_model_dir
 from tests.harness.paths import ROOT
 
 RUN = ROOT / "tests" / "fixtures" / "gpu" / "h200x2-580.159.04-real" / "device-run-2026-11-27-multi"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.gpucheck import check as gpu_check
-from llmhost.layout import make_model_dir
+from llmhost.server.layout import make_model_dir
 from tests.harness.paths import ROOT
 
 RUN = ROOT / "tests" / "fixtures" / "gpu" / "h200x4-580.159.04-real" / "device-run-2026-11-27-tp4"

@@ -245,10 +245,10 @@ def test_stop_drains_streams_in_flight_then_stops(converged: Converged):
     """Streams are in flight for sure: vLLM's engine processes are frozen (SIGSTOP)
     while the requests arrive and until systemd has begun the stop, then thawed; every
     stream must still end complete, and the unit stop cleanly within its time. The
-    backend learnt of the stop from the unit's ExecStop (llmhost.stopfile) and drained
+    backend learnt of the stop from the unit's ExecStop (llmhost.server.stopfile) and drained
     at once: before that, Triton's wait for HTTP connections could use up its whole
     exit timeout, and tritonserver exited 1 without unloading. A client keeps an idle
-    keep-alive connection through the stop: the unit's ExecStop (llmhost.stopserver)
+    keep-alive connection through the stop: the unit's ExecStop (llmhost.server.stopserver)
     must close it once the model has drained, else the same happens."""
     host = converged.host
     assert wait_ready(converged.triton_http, timeout_s=RECOVERY_TIMEOUT_S)

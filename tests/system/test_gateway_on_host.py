@@ -17,7 +17,7 @@ import time
 import pytest
 import requests
 
-from llmhost.promql import api
+from llmhost.bench.promql import api
 from tests.system._converge import METRICS_ADDRESS, Converged
 from tests.system._unit import props
 

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 import requests
 
-from llmhost.promql import api, dashboards, has_data, panel_queries, query, substitute
+from llmhost.bench.promql import api, dashboards, has_data, panel_queries, query, substitute
 from tests.harness.prom import DASHBOARDS_DIR
 from tests.system._converge import Converged, recap, run_playbook
 

@@ -15,7 +15,7 @@ import pytest
 import requests
 import yaml
 
-from llmhost.admin_key import GRPC_HEADER, HEADER, parse_key
+from llmhost.server.admin_key import GRPC_HEADER, HEADER, parse_key
 from tests.harness.booted import BootedHost
 from tests.harness.paths import ROOT
 from tests.system._converge import METRICS_ADDRESS, Converged

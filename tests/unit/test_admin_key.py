@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmhost.admin_key import (
+from llmhost.server.admin_key import (
     ENV_NAME,
     HEADER,
     RESTRICTED_APIS,
@@ -20,7 +20,7 @@ from llmhost.admin_key import (
     read_key,
     restriction_args,
 )
-from llmhost.layout import TritonInstall
+from llmhost.server.layout import TritonInstall
 
 
 def test_key_file_is_created_once_private_and_kept(tmp_path: Path):
@@ -89,7 +89,7 @@ def test_script_creates_the_file_and_never_prints_the_key(tmp_path: Path, capsys
 
 def test_serve_restricts_admin_apis_and_binds_metrics_apart(tmp_path: Path):
     from llmhost.cli import build_parser
-    from llmhost.serve import ServeOptions, server_command
+    from llmhost.server.serve import ServeOptions, server_command
 
     args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--host", "0.0.0.0",
                                       "--metrics-host", "127.0.0.2", "--admin-key-file", str(tmp_path / "k")])

@@ -12,7 +12,7 @@ import yaml
 
 from llmhost.backend.config import BackendSettings
 from llmhost.cli import build_parser
-from llmhost.serve import ServeOptions
+from llmhost.server.serve import ServeOptions
 from tests.harness.paths import ROOT
 
 KEYS = ("default_max_tokens", "max_n", "drain_timeout_s")
@@ -30,7 +30,7 @@ def test_roles_defaults_are_the_backends() -> None:
 
 
 def test_model_json_template_falls_back_to_the_backends_defaults() -> None:
-    text = (ROOT / "src" / "llmhost" / "templates" / "model.json.j2").read_text()
+    text = (ROOT / "src" / "llmhost" / "server" / "templates" / "model.json.j2").read_text()
     fallbacks = {k: float(v) for k, v in re.findall(r"(\w+)=model\.\w+ \| default\(([\d.]+)\)", text)}
     assert fallbacks == {k: float(getattr(BackendSettings(), k)) for k in KEYS}
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from llmhost.bench import (
+from llmhost.bench.loadgen import (
     LevelPart,
     LevelResult,
     Sample,
@@ -65,7 +65,7 @@ def test_an_unreadable_or_empty_key_file_is_a_clear_error(content, tmp_path, cap
 def test_the_api_key_is_sent_as_a_bearer_token():
     import asyncio
 
-    from llmhost.bench import Target
+    from llmhost.bench.loadgen import Target
 
     async def headers() -> dict[str, str]:
         t = Target("openai", "http://127.0.0.1:9", "m", api_key="k123")
@@ -226,6 +226,6 @@ def test_a_failing_first_request_stops_before_measuring(processes, tmp_path, cap
     ("http", "http://127.0.0.1:8000/", "http://127.0.0.1:8000"),
 ])
 def test_an_openai_base_url_is_taken_with_or_without_v1(kind, url, expected):
-    from llmhost.bench import Target
+    from llmhost.bench.loadgen import Target
 
     assert Target(kind, url, "m").url == expected

@@ -1,11 +1,11 @@
-"""The ratios and goals of `make bench-compare` (llmhost.bench_compare)."""
+"""The ratios and goals of `make bench-compare` (llmhost.bench.compare)."""
 
 from __future__ import annotations
 
 import math
 
-from llmhost.bench import LevelResult
-from llmhost.bench_compare import GOALS, Goal, check, compare, round_order
+from llmhost.bench.compare import GOALS, Goal, check, compare, round_order
+from llmhost.bench.loadgen import LevelResult
 
 
 def _level(c: int, tps: float, ttft: float, errors: int = 0) -> LevelResult:
@@ -50,7 +50,7 @@ def test_vllm_goal_only_counts_its_levels_and_nan_is_a_miss():
 
 
 def test_the_benchmarks_gateway_takes_its_key_and_arguments(tmp_path):
-    from llmhost.bench_compare import gateway_args, write_bench_key
+    from llmhost.bench.compare import gateway_args, write_bench_key
     from llmhost.gateway.cli import build_parser, settings
     from llmhost.gateway.keys import KeyStore, load_keys
 
@@ -67,7 +67,7 @@ def test_the_benchmarks_gateway_takes_its_key_and_arguments(tmp_path):
 
 
 def test_the_client_goes_where_vllms_bound_workers_leave_room():
-    from llmhost.bench_compare import client_cpus
+    from llmhost.bench.compare import client_cpus
 
     # llmhost serve with pin_frontend_cpus: tritonserver and the stub moved to CPU 1,
     # EngineCore to CPU 0: only the worker's binding counts.

@@ -504,7 +504,7 @@ def test_device_run_gpu_panels_returned_data():
     runs them over a constructed dcgm-exporter exposition)."""
     import json
 
-    from llmhost.promql import panel_queries, substitute
+    from llmhost.bench.promql import panel_queries, substitute
     from tests.harness.prom import DASHBOARDS_DIR
 
     rec = json.loads((FIXTURES / "gpu" / "h100-580.159.04-real"

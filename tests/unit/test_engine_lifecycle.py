@@ -21,15 +21,15 @@ from typing import Any, ClassVar
 
 import pytest
 
-from llmhost import stopfile
 from llmhost.backend import engine as engine_mod
 from llmhost.backend import watchdog
 from llmhost.backend.config import parse_model_config
 from llmhost.backend.engine import EngineRunner, EngineStartError
 from llmhost.backend.metrics import ServingMetrics
 from llmhost.backend.request import GenerateJob
-from llmhost.serve import RestartLimit, exit_reason
-from llmhost.stopfile import announce_stop
+from llmhost.server import stopfile
+from llmhost.server.serve import RestartLimit, exit_reason
+from llmhost.server.stopfile import announce_stop
 
 BOUND_S = 120  # a bound that tells a hang from an answer (importing vLLM's packages on a busy host), not a speed target
 
@@ -463,7 +463,7 @@ def test_the_stop_file_starts_the_drain_and_aborts_what_outlives_it(fake_vllm: N
 def test_the_drained_mark_comes_once_nothing_is_in_flight(fake_vllm: None, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch):
     """During the server's stop, the backend leaves its drained mark (which lets the
-    stopper close idle HTTP connections: llmhost.stopserver) only after the last
+    stopper close idle HTTP connections: llmhost.server.stopserver) only after the last
     request in flight has ended, and only once."""
     stop_file = tmp_path / "stopping"
     runner, _, _, _, _ = make_runner(drain_timeout_s=30, stop_file=stop_file, server_pid=4242)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from lab.gpucheck import check as gpu_check
-from llmhost.placement import plan
+from llmhost.server.placement import plan
 from tests.harness.paths import ROOT
 
 RUN = ROOT / "tests" / "fixtures" / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-24-check"
@@ -36,7 +36,7 @@ def test_kind_model_entry_has_the_keys_the_roles_render_with():
                                                           "enable_vllm_health_check"}
     entry = gpu_check.roles_model_entry(Path("/srv/m"))
     assert set(entry) == keys
-    # The roles take the kind from llmhost.placement (filter llmhost_placement).
+    # The roles take the kind from llmhost.server.placement (filter llmhost_placement).
     assert "llmhost_placement" in yaml.safe_load(text)["_model_repository_placement"]
     assert entry["kind"] == plan([{"name": "m"}], None)[0].kind == "KIND_MODEL"
 
@@ -54,7 +54,7 @@ def test_kind_model_entry_takes_the_roles_defaults():
 def test_kind_model_server_gets_the_units_flags():
     # The unit renders the package's command line template (tests/ansible/test_triton.py
     # compares it with llmhost serve's); the script must pass the roles' default values.
-    template = (ROOT / "src" / "llmhost" / "templates" / "tritonserver.args.j2").read_text()
+    template = (ROOT / "src" / "llmhost" / "server" / "templates" / "tritonserver.args.j2").read_text()
     flags = set(re.findall(r"(--[a-z-]+)=", template))
     triton = yaml.safe_load((ROOT / "roles" / "triton" / "defaults" / "main.yml").read_text())
     cmd = gpu_check.unit_command(SimpleNamespace(server=Path("/x/tritonserver")), Path("/m"), Path("/b"), "k" * 32)

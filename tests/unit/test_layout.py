@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmhost.layout import LayoutError, TritonInstall, make_backend_dir, make_model_dir
+from llmhost.server.layout import LayoutError, TritonInstall, make_backend_dir, make_model_dir
 
 
 def test_backend_dir_from_bundled_triton(tmp_path: Path):
@@ -53,7 +53,7 @@ def test_engine_args_override_and_gpu_placement(tmp_path: Path):
 
 def test_serve_passes_extra_tritonserver_arguments_last(tmp_path: Path):
     from llmhost.cli import build_parser
-    from llmhost.serve import ServeOptions, server_command
+    from llmhost.server.serve import ServeOptions, server_command
 
     args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--triton-arg=--http-thread-count=32",
                                       "--triton-arg=--log-info=false"])
@@ -68,7 +68,7 @@ def test_serve_passes_extra_tritonserver_arguments_last(tmp_path: Path):
 def test_backend_settings_reach_model_json_and_win(tmp_path: Path):
     from llmhost.backend.config import load_model_config
     from llmhost.cli import build_parser
-    from llmhost.serve import ServeOptions, model_entry
+    from llmhost.server.serve import ServeOptions, model_entry
 
     args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--setting", "stream_interval_ms=0",
                                       "--setting", "response_threads=2", "--default-max-tokens", "64"])

@@ -20,7 +20,7 @@ from llmhost.backend.lora import (
     with_adapters,
 )
 from llmhost.backend.request import parse_request
-from llmhost.tiny_lora import RANK, SHAPES, write_tiny_lora
+from llmhost.tiny.lora import RANK, SHAPES, write_tiny_lora
 from tests.unit.test_request import S, arr
 
 

@@ -1,4 +1,4 @@
-"""llmhost.placement: per-model GPU placement, refused before anything starts."""
+"""llmhost.server.placement: per-model GPU placement, refused before anything starts."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from llmhost.layout import make_model_dir
-from llmhost.placement import (
+from llmhost.server.layout import make_model_dir
+from llmhost.server.placement import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     KIND_CPU,
     KIND_GPU,
@@ -187,7 +187,7 @@ def test_command(capsys: pytest.CaptureFixture[str], tmp_path: Path):
 
 
 def test_runs_as_a_plain_script_without_site_packages():
-    proc = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "src" / "llmhost" / "placement.py"),
+    proc = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "src" / "llmhost" / "server" / "placement.py"),
                            "--models-json", '[{"name": "a"}]', "--gpu-count", "1"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr

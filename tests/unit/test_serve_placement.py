@@ -1,4 +1,4 @@
-"""`llmhost serve` places its model by llmhost.placement, the rule the roles use
+"""`llmhost serve` places its model by llmhost.server.placement, the rule the roles use
 (tests/ansible/test_preflight.py shows the roles' side): KIND_CPU on cpu, KIND_MODEL on
 gpu unless --kind says otherwise; --gpus pins; an impossible placement is refused by name."""
 
@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from llmhost import cli, serve
-from llmhost.layout import make_model_dir
-from llmhost.placement import PlacementError
-from llmhost.serve import ServeOptions, model_entry
+from llmhost import cli
+from llmhost.server import serve
+from llmhost.server.layout import make_model_dir
+from llmhost.server.placement import PlacementError
+from llmhost.server.serve import ServeOptions, model_entry
 
 
 def test_cpu_serves_kind_cpu_and_gpu_serves_the_roles_kind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

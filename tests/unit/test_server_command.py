@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmhost.admin_key import restriction
-from llmhost.layout import TritonInstall
-from llmhost.serve import ServeOptions, server_command
+from llmhost.server.admin_key import restriction
+from llmhost.server.layout import TritonInstall
+from llmhost.server.serve import ServeOptions, server_command
 
 
 def _triton(root: Path) -> TritonInstall:

@@ -1,5 +1,5 @@
-"""The stopper's part that frees tritonserver's HTTP port (llmhost.httpconns,
-llmhost.stopserver), against a real server process: a child that accepts TCP
+"""The stopper's part that frees tritonserver's HTTP port (llmhost.server.httpconns,
+llmhost.server.stopserver), against a real server process: a child that accepts TCP
 connections and keeps them, as Triton keeps a client's idle keep-alive connection."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from llmhost import httpconns, stopserver
-from llmhost.stopfile import announce_stop, mark_drained
+from llmhost.server import httpconns, stopserver
+from llmhost.server.stopfile import announce_stop, mark_drained
 
 BOUND_S = 20
 

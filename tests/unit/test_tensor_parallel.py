@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from lab.gpucheck import check as gpu_check
-from llmhost.layout import make_model_dir
-from llmhost.placement import KIND_MODEL, PlacementError, plan
+from llmhost.server.layout import make_model_dir
+from llmhost.server.placement import KIND_MODEL, PlacementError, plan
 from tests.harness.paths import ROOT
 
 RUN = ROOT / "tests" / "fixtures" / "gpu" / "h100-580.159.04-real" / "device-run-2026-11-24-check"

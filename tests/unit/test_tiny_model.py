@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from llmhost.tiny_model import write_tiny_model
+from llmhost.tiny.model import write_tiny_model
 
 
 def _digest(p: Path) -> str:

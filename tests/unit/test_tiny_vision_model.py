@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from llmhost.cli import main
-from llmhost.tiny_vision_model import IMAGE_SIZE, IMAGE_TOKEN, QUERY_TOKENS, VOCAB_SIZE, write_tiny_vision_model
+from llmhost.tiny.vision import IMAGE_SIZE, IMAGE_TOKEN, QUERY_TOKENS, VOCAB_SIZE, write_tiny_vision_model
 
 
 def _digest(p: Path) -> str:

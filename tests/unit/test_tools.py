@@ -259,7 +259,7 @@ def test_streamed_deltas_become_one_chunk_each():
 def thinker(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm.tokenizers import get_tokenizer
 
-    from llmhost.tiny_model import write_tiny_model
+    from llmhost.tiny.model import write_tiny_model
 
     return get_tokenizer(str(write_tiny_model(tmp_path_factory.mktemp("thinker"), think=True)))
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from llmhost.backend.triton_params import ENABLE_VLLM_HEALTH_CHECK, REPORT_CUSTOM_METRICS, bool_param, metrics_enabled
-from llmhost.layout import make_model_dir
+from llmhost.server.layout import make_model_dir
 
 
 def config(**params: str) -> dict[str, Any]:

@@ -1,11 +1,11 @@
-"""llmhost.vllm_bench's own parts: the arguments vLLM's parser takes, and tokens per
+"""llmhost.bench.vllm_client's own parts: the arguments vLLM's parser takes, and tokens per
 streamed event from vLLM's per-request results."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmhost.vllm_bench import (
+from llmhost.bench.vllm_client import (
     TRITON_BACKEND,
     _event_tokens,
     client_argv,

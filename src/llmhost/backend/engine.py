@@ -35,7 +35,7 @@ from llmhost.backend.watchdog import (
     engine_death_cause,
     stop_tritonserver,
 )
-from llmhost.stopfile import mark_drained, stop_file_from_env, stop_requested
+from llmhost.server.stopfile import mark_drained, stop_file_from_env, stop_requested
 
 # Defaults we set for a server unless model.json says otherwise.
 ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True}
@@ -215,7 +215,7 @@ class EngineRunner:
         self._drain_timeout_s = 0.0
         self._abort_message: str | None = None
         # Called once (off the engine loop) when the server is stopping and nothing
-        # is in flight any more: by default, the drained mark (llmhost.stopfile).
+        # is in flight any more: by default, the drained mark (llmhost.server.stopfile).
         self._on_drained = on_drained or self.mark_drained
         self._server_stopping = False
         self._drained_marked = False
@@ -343,7 +343,7 @@ class EngineRunner:
             self.log_error(f"marking the drain as done failed: {describe_failure(exc)}")
 
     def mark_drained(self) -> None:
-        """Leave the drained mark beside the stop file (llmhost.stopfile)."""
+        """Leave the drained mark beside the stop file (llmhost.server.stopfile)."""
         if self._stop_file is not None:
             mark_drained(self._stop_file, self._server_pid)
 

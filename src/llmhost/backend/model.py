@@ -527,7 +527,7 @@ class TritonPythonModel:
     def _drained_when_sent(self) -> None:
         """The server is stopping and nothing is in flight: mark this backend drained
         once the last responses have reached tritonserver (the stopper then closes
-        the HTTP connections left idle: llmhost.stopserver)."""
+        the HTTP connections left idle: llmhost.server.stopserver)."""
         io = getattr(self, "io", None)
         runner = getattr(self, "runner", None)
         if io is not None:

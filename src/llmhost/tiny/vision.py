@@ -4,7 +4,7 @@ It takes one image per prompt, so the ``image`` input can be tested end to end
 without a GPU or a download: a 32x32 ViT and a Q-Former turn the picture into
 QUERY_TOKENS embeddings that take the place of as many ``<image>`` tokens, which
 vLLM inserts at the start of the prompt; an OPT language model of the tiny
-model's size reads them. The tokenizer is the tiny model's (llmhost.tiny_model)
+model's size reads them. The tokenizer is the tiny model's (llmhost.tiny.model)
 plus the ``<image>`` token.
 
 Why BLIP-2: vLLM's LLaVA and PaliGemma reach transformers' Pixtral image
@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmhost import tiny_model
+from llmhost.tiny import model as tiny_model
 
 IMAGE_TOKEN = "<image>"
 # The Q-Former's query tokens: the prompt tokens one image takes.

@@ -17,8 +17,8 @@ crash, a restart) is ignored.
 Once a backend process has no request in flight any more during such a stop (and
 has handed its last responses to tritonserver), it leaves a second file beside it,
 ``<stop file>.drained.<its pid>``, holding the server's pid too: the stopper
-(``llmhost.stopserver``) then knows that an HTTP connection still open carries no
-request, and closes it (``llmhost.httpconns``).
+(``llmhost.server.stopserver``) then knows that an HTTP connection still open carries no
+request, and closes it (``llmhost.server.httpconns``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Generate a tiny LoRA adapter (PEFT layout) for the tiny model, with no downloads.
 
 The adapter targets every attention and MLP projection of the tiny model
-(llmhost.tiny_model) with random A and B matrices of a fixed seed. B is not zero
+(llmhost.tiny.model) with random A and B matrices of a fixed seed. B is not zero
 (a freshly initialised PEFT adapter has B = 0 and changes nothing), and its scale
 dwarfs the base weights, so greedy output with the adapter differs from without:
 a test can see that the adapter was applied.
@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from llmhost import tiny_model
+from llmhost.tiny import model as tiny_model
 
 RANK = 8
 ALPHA = 16

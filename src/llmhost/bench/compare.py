@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmhost.bench import LevelResult
+from llmhost.bench.loadgen import LevelResult
 
 PATHS = ("triton", "gateway", "vllm")
 

@@ -28,16 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmhost.admin_key import HEADER as ADMIN_HEADER
-from llmhost.admin_key import ensure_key_file, restriction
 from llmhost.backend.config import BackendSettings
 from llmhost.backend.lora import MULTI_LORA_JSON
 from llmhost.backend.stream_socket import SOCKET_DIR_ENV
 from llmhost.backend.watchdog import describe_exit
-from llmhost.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir, render
-from llmhost.placement import plan
-from llmhost.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop, remove_stop_files
-from llmhost.stopserver import free_http_port
+from llmhost.server.admin_key import HEADER as ADMIN_HEADER
+from llmhost.server.admin_key import ensure_key_file, restriction
+from llmhost.server.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir, render
+from llmhost.server.placement import plan
+from llmhost.server.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop, remove_stop_files
+from llmhost.server.stopserver import free_http_port
 
 PR_SET_CHILD_SUBREAPER = 36
 ADMIN_KEY_FILE = "admin-key"
@@ -67,10 +67,10 @@ class ServeOptions:
     settings: dict[str, Any] = field(default_factory=dict)  # model.json's "llmhost" settings
     log_verbose: int = 0
     triton_args: list[str] = field(default_factory=list)
-    # The key of Triton's admin APIs (llmhost.admin_key); default WORKDIR/admin-key,
+    # The key of Triton's admin APIs (llmhost.server.admin_key); default WORKDIR/admin-key,
     # created with a new key if missing.
     admin_key_file: Path | None = None
-    # Triton instance kind and GPUs; None: llmhost.placement's rule (the roles' too).
+    # Triton instance kind and GPUs; None: llmhost.server.placement's rule (the roles' too).
     kind: str | None = None
     gpus: list[int] | None = None
     # A multi_lora.json copied beside model.json as it is (llmhost.backend.lora).
@@ -125,7 +125,7 @@ def server_environment(workdir: Path, device: str, kv_cache_gib: int, triton: Tr
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.setdefault("VLLM_CACHE_ROOT", str(workdir / "vllm-cache"))
-    env[STOP_FILE_ENV] = str(workdir / STOP_FILE_NAME)  # see llmhost.stopfile
+    env[STOP_FILE_ENV] = str(workdir / STOP_FILE_NAME)  # see llmhost.server.stopfile
     # Each model instance's engine socket, for a gateway on this host (llmhost.backend.stream_socket).
     env[SOCKET_DIR_ENV] = str(workdir / ENGINE_SOCKET_DIR)
     if device == "cpu":
@@ -286,10 +286,10 @@ def run(opts: ServeOptions, ready_timeout_s: float = 600, max_restarts: int = RE
         stopping.set()
         for proc in current:
             if proc.poll() is None:
-                with contextlib.suppress(OSError):  # the backend then drains at once (llmhost.stopfile)
+                with contextlib.suppress(OSError):  # the backend then drains at once (llmhost.server.stopfile)
                     announce_stop(stop_file, proc.pid)
                 proc.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
-                if first:  # what systemd's ExecStop does too (llmhost.stopserver)
+                if first:  # what systemd's ExecStop does too (llmhost.server.stopserver)
                     threading.Thread(target=free_http_port, daemon=True, args=(
                         proc.pid, opts.http_port, stop_file, opts.drain_timeout_s, _say,
                         lambda p=proc: p.poll() is not None)).start()

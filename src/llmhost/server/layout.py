@@ -87,7 +87,7 @@ def _to_nice_json(value: Any, indent: int = 4) -> str:
 
 
 def render(template: str, **context: Any) -> str:
-    text = resources.files("llmhost").joinpath("templates", template).read_text()
+    text = resources.files("llmhost.server").joinpath("templates", template).read_text()
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     # Ansible's filter of that name, so one template renders the same both ways
     # (Jinja's own tojson returns Markup, which Ansible warns about).

@@ -1,16 +1,16 @@
 """Stop a tritonserver that serves our backend: announce, SIGTERM, free its HTTP port.
 
-The unit's ExecStop (``python -m llmhost.stopserver``, as root: it may take
+The unit's ExecStop (``python -m llmhost.server.stopserver``, as root: it may take
 tritonserver's sockets) and ``llmhost serve`` (tritonserver's parent) stop it the
 same way:
 
 1. write tritonserver's pid into the stop file: each backend process drains at once
-   (``llmhost.stopfile``), and marks itself drained when nothing is in flight;
+   (``llmhost.server.stopfile``), and marks itself drained when nothing is in flight;
 2. SIGTERM tritonserver alone (vLLM's engine processes would stop at once on their
    own SIGTERM and cut every stream);
 3. until tritonserver exits: once every backend process is drained (or the drain
    timeout is over), shut down each connection to the HTTP port on which nothing
-   has moved for ``IDLE_S`` (``llmhost.httpconns``). Triton 2.51 would otherwise
+   has moved for ``IDLE_S`` (``llmhost.server.httpconns``). Triton 2.51 would otherwise
    wait its whole exit timeout for an idle keep-alive client and exit 1 without
    unloading the models.
 """
@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from llmhost import httpconns
-from llmhost.stopfile import STOP_FILE_ENV, all_drained, announce_stop
+from llmhost.server import httpconns
+from llmhost.server.stopfile import STOP_FILE_ENV, all_drained, announce_stop
 
 # A connection silent both ways this long, after the drain, carries no request: the
 # last response of a finished stream leaves within milliseconds of the mark.
@@ -117,7 +117,7 @@ def stop(server_pid: int, http_port: int, stop_file: Path | None, drain_timeout_
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmhost.stopserver", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m llmhost.server.stopserver", description=__doc__.splitlines()[0])
     p.add_argument("--pid", type=int, default=int(os.environ.get("MAINPID") or 0),
                    help="tritonserver's pid (default: $MAINPID, as systemd sets it for ExecStop)")
     p.add_argument("--http-port", type=int, required=True, help="tritonserver's HTTP port")

@@ -4,7 +4,7 @@ On SIGTERM, Triton 2.51 waits up to ``--exit-timeout-secs`` until every connecti
 to its HTTP port has closed, and only then unloads the models. A client that keeps
 an idle keep-alive connection open (a ``requests.Session``, any connection pool, a
 proxy) holds that wait to its end: tritonserver then exits 1 without unloading
-anything. The stopper (``llmhost.stopserver``) closes such connections: it finds the
+anything. The stopper (``llmhost.server.stopserver``) closes such connections: it finds the
 server's sockets on the port in ``/proc``, takes a duplicate of each with
 pidfd_getfd(2) (which needs the right to ptrace the server: root, or its parent),
 and calls shutdown(2) on it. Triton's event loop then sees the connection end, and

@@ -10,7 +10,7 @@ statistics and model configurations without the key.
 The key lives in a file of one ``LLMHOST_TRITON_ADMIN_KEY=<hex>`` line: a systemd
 EnvironmentFile (the triton role) that `llmhost serve` also uses.
 
-Run as a script (``python -m llmhost.admin_key PATH``; stdlib only), it creates
+Run as a script (``python -m llmhost.server.admin_key PATH``; stdlib only), it creates
 PATH with a new key (mode 0600) unless PATH exists, and never prints the key.
 """
 
@@ -99,7 +99,7 @@ def restriction_args(key: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m llmhost.admin_key PATH  (creates PATH with a new key unless it exists)",
+        print("usage: python -m llmhost.server.admin_key PATH  (creates PATH with a new key unless it exists)",
               file=sys.stderr)
         return 2
     try:
