@@ -20,6 +20,7 @@ from tests.ansible.test_preflight import assert_fails_naming, preflight
 KEY = "k" * 12 + "-secret-demo-key"  # 28 characters
 SHORT = "short-key-123"  # 13 characters
 SHA = hashlib.sha256(b"another key of 16+ chars").hexdigest()
+METRICS_TOKEN = "metrics-token-of-the-site-0123"
 SHA2 = hashlib.sha256(b"the operators key, 16+ chars").hexdigest()
 
 
@@ -63,6 +64,10 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
      ("gateway_tls_cert_file", "gateway_tls_key_file")),
     ("TLS files missing", {**keys({"name": "a", "key": KEY}), "gateway_tls_cert_file": "/nonexistent/gw.crt",
                            "gateway_tls_key_file": "/nonexistent/gw.key"}, ("/nonexistent/gw.crt", "not a file")),
+    ("upstream CA missing", {**keys({"name": "a", "key": KEY}), "gateway_upstream_ca_file": "/nonexistent/ca.crt"},
+     ("/nonexistent/ca.crt", "gateway_upstream_ca_file", "not a file")),
+    ("upstream CA relative", {**keys({"name": "a", "key": KEY}), "gateway_upstream_ca_file": "ca.crt"},
+     ("gateway_upstream_ca_file must be empty or an absolute path",)),
     ("CPU weight out of range", {**keys({"name": "a", "key": KEY}), "gateway_cpu_weight": 20000},
      ("gateway_cpu_weight", "1 to 10000")),
     ("CPU affinity not CPUs", {**keys({"name": "a", "key": KEY}), "gateway_cpu_affinity": "cores 1"},
@@ -72,6 +77,11 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
      ("plain HTTP on 0.0.0.0", "gateway_tls_cert_file", "gateway_allow_plaintext: true")),
     ("plaintext not a boolean", {**keys({"name": "a", "key": KEY}), "gateway_allow_plaintext": "maybe"},
      ("gateway_allow_plaintext", "maybe")),
+    ("metrics on the network without a token", {**keys({"name": "a", "key": KEY}),
+                                                "gateway_metrics_listen_address": "0.0.0.0"},
+     ("/metrics on 0.0.0.0", "gateway_metrics_token", "gateway_metrics_allow_anonymous: true")),
+    ("short metrics token", {**keys({"name": "a", "key": KEY}), "gateway_metrics_token": SHORT},
+     ("gateway_metrics_token", "at least 16 characters")),
     ("models not a list", keys({"name": "a", "key": KEY, "models": "tiny"}), ("gateway_api_keys[0] (a)", "models")),
     ("admin not a boolean", keys({"name": "a", "key": KEY, "admin": "yes"}), ("gateway_api_keys[0] (a)", "admin")),
     ("unknown model", {**keys({"name": "a", "key": KEY}), "gateway_models": ["llama"]}, ("gateway_models", "llama")),
@@ -85,6 +95,13 @@ def test_preflight_names_the_bad_setting(extra: dict[str, Any], needles: tuple[s
     assert_fails_naming(run, *needles)
     for secret in (KEY, SHORT):
         assert secret not in run.output, "the preflight printed a key"
+
+
+def test_metrics_on_the_network_pass_with_a_token_or_when_allowed() -> None:
+    for extra in ({"gateway_metrics_token": METRICS_TOKEN}, {"gateway_metrics_allow_anonymous": True}):
+        run = preflight({**keys({"name": "a", "key": KEY}), "gateway_metrics_listen_address": "0.0.0.0", **extra})
+        assert run.rc == 0, run.output
+        assert "asks for a token, or its absence is allowed" in run.output and METRICS_TOKEN not in run.output
 
 
 def _render(tmp_path: Path, extra: dict[str, Any]) -> PlaybookRun:
@@ -149,6 +166,7 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
         assert want in unit, want
     assert "CPUAffinity" not in unit  # any CPU unless asked
     assert "--allow-plaintext" not in unit
+    assert "upstream-ca" not in unit  # gRPC over TLS only with a CA
     run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}), "gateway_port": 443,
                              "gateway_allow_plaintext": True,
                              "gateway_cpu_affinity": "6-7,14", "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
@@ -157,6 +175,32 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
     assert "  --allow-plaintext \\\n" in unit
     assert "\nCapabilityBoundingSet=CAP_NET_BIND_SERVICE\n" in unit
     assert "\nCPUAffinity=6-7,14\n" in unit
+
+
+def test_with_a_ca_the_unit_talks_grpc_over_tls(tmp_path: Path) -> None:
+    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}), "llmhost_models": [{"name": "tiny", "source": "tiny"}],
+                             "gateway_upstreams": ["10.0.0.1:8001"], "gateway_upstream_ca_file": "/etc/llmhost/ca.crt"})
+    assert run.rc == 0, run.output
+    unit = (tmp_path / "unit").read_text()
+    assert "\nLoadCredential=upstream-ca.crt:/etc/llmhost/ca.crt\n" in unit
+    assert "  --upstream-ca %d/upstream-ca.crt \\\n" in unit
+
+
+def test_the_unit_hands_metrics_only_the_tokens_hash(tmp_path: Path) -> None:
+    base = {**keys({"name": "alice", "key": KEY}), "llmhost_models": [{"name": "tiny", "source": "tiny"}]}
+    run = _render(tmp_path, {**base, "gateway_metrics_token": METRICS_TOKEN})
+    assert run.rc == 0, run.output
+    unit = (tmp_path / "unit").read_text()
+    assert "\nLoadCredential=metrics-token:/etc/llmhost/llmhost-gateway-metrics-token.sha256\n" in unit
+    assert "  --metrics-token-file %d/metrics-token \\\n" in unit and METRICS_TOKEN not in unit
+    assert "--allow-anonymous-metrics" not in unit
+    run = _render(tmp_path, {**base, "gateway_metrics_allow_anonymous": True})
+    assert run.rc == 0, run.output
+    unit = (tmp_path / "unit").read_text()
+    assert "  --allow-anonymous-metrics \\\n" in unit and "metrics-token" not in unit
+    run = _render(tmp_path, base)
+    unit = (tmp_path / "unit").read_text()
+    assert "metrics-token" not in unit and "--allow-anonymous-metrics" not in unit
 
 
 def test_on_an_inference_host_the_unit_streams_from_the_local_engine_sockets(tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ def test_example_inventory_puts_the_gateway_in_front_of_loopback_triton() -> Non
     for host in hosts:
         assert hostvars[host]["gateway_api_keys"] == "{{ vault_gateway_api_keys }}", (host, hostvars[host])
         assert hostvars[host]["llmhost_metrics_bind_address"] == "0.0.0.0", (host, hostvars[host])
+        assert hostvars[host]["gateway_metrics_token"] == "{{ vault_gateway_metrics_token }}", (host, hostvars[host])
         assert hostvars[host]["llmhost_profile"] == "gpu", (host, hostvars[host])
         # Not set: Triton keeps 127.0.0.1, and no acknowledgement of a public Triton is given.
         assert "llmhost_bind_address" not in hostvars[host], (host, hostvars[host])

@@ -114,6 +114,37 @@ def test_a_gateway_metrics_on_loopback_of_another_host_is_refused(tmp_path: Path
     assert "gw-01 (gateway, gateway_metrics_listen_address)" in r.stdout, r.stdout[-3000:]
 
 
+METRICS_TOKEN = "gateway-metrics-token-0123456789"
+
+
+def test_gateways_with_a_token_are_scraped_with_it_from_a_file(tmp_path: Path):
+    """A gateway whose /metrics asks for a token (gateway_metrics_token) is scraped with
+    Authorization: Bearer from a credentials_file; the token is never in prometheus.yml."""
+    inv = inventory(tmp_path, {
+        "gw-01": {"ansible_host": "10.0.0.11", "llmhost_metrics_bind_address": "0.0.0.0",
+                  "gateway_api_keys": [{"name": "a", "sha256": "0" * 64}], "gateway_metrics_token": METRICS_TOKEN},
+    }, monitoring="mon-01")
+    token_file = tmp_path / "gateway-metrics-token"
+    token_file.write_text(METRICS_TOKEN)
+    r = render(tmp_path, inv, prometheus_gateway_metrics_token=METRICS_TOKEN,
+               _prometheus_gateway_token_file=str(token_file))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    path = tmp_path / "out" / "prometheus.yml"
+    check = promtool("check", "config", path)
+    assert check.returncode == 0, check.stdout + check.stderr
+    text = path.read_text()
+    assert METRICS_TOKEN not in text and METRICS_TOKEN not in r.stdout
+    jobs = {job["job_name"]: job for job in yaml.safe_load(text)["scrape_configs"]}
+    assert jobs["gateway"]["authorization"] == {"type": "Bearer", "credentials_file": str(token_file)}
+    assert "authorization" not in jobs["triton"] and "authorization" not in jobs["node"]
+
+    # Without the token on this side, the gateway could not be scraped: refused, naming the host.
+    r = render(tmp_path, inv)
+    assert r.returncode != 0
+    assert "gateways on gw-01 ask for a token" in " ".join(r.stdout.split()), r.stdout[-3000:]
+    assert METRICS_TOKEN not in r.stdout
+
+
 def test_dcgm_targets_follow_the_hosts_that_install_the_exporter(tmp_path: Path):
     """auto (the default) scrapes dcgm-exporter where roles/dcgm_exporter installs it: GPU-profile
     hosts that do not turn it off, on each host's own dcgm_exporter_listen_address."""

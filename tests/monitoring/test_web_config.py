@@ -106,6 +106,7 @@ def paths(out: Path) -> dict[str, Any]:
         "_prometheus_rules_dest": f"{out}/rules",
         "_prometheus_web_config_file": f"{out}/prometheus-web.yml",
         "_prometheus_scrape_password_file": f"{out}/scrape-password",
+        "_prometheus_gateway_token_file": f"{out}/gateway-metrics-token",
         "prometheus_storage_dir": f"{out}/tsdb",
         "_grafana_group": "root",
         "_grafana_secret_key_file": f"{out}/grafana-secret-key",
