@@ -178,7 +178,8 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
 
 
 def test_with_a_ca_the_unit_talks_grpc_over_tls(tmp_path: Path) -> None:
-    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}), "llmhost_models": [{"name": "tiny", "source": "tiny"}],
+    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}),
+                             "llmhost_models": [{"name": "tiny", "source": "tiny"}],
                              "gateway_upstreams": ["10.0.0.1:8001"], "gateway_upstream_ca_file": "/etc/llmhost/ca.crt"})
     assert run.rc == 0, run.output
     unit = (tmp_path / "unit").read_text()

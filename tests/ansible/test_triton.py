@@ -85,6 +85,50 @@ def test_unit_binds_inference_and_metrics_apart_and_restricts_admin_apis(
     assert "RuntimeDirectoryMode=0750" in unit.splitlines()
 
 
+def test_grpc_over_tls_gets_the_certificate_as_credentials(tmp_path: Path) -> None:
+    cert, key = tmp_path / "grpc.crt", tmp_path / "grpc.key"
+    cert.write_text("certificate\n")
+    key.write_text("key\n")
+    public = {"llmhost_venv_dir": str(VENV), "llmhost_bind_address": "0.0.0.0", "llmhost_allow_public_triton": True}
+    unit = _render(tmp_path, "triton", str(REPO / "roles" / "triton" / "templates" / "tritonserver.service.j2"),
+                   {**public, "triton_grpc_tls_cert_file": str(cert), "triton_grpc_tls_key_file": str(key)})
+    argv = _exec_start(unit)
+    assert ["--grpc-use-ssl=true", "--grpc-server-cert=%d/grpc-tls.crt", "--grpc-server-key=%d/grpc-tls.key"] == [
+        a for a in argv if a.startswith(("--grpc-use-ssl", "--grpc-server-"))]
+    assert f"LoadCredential=grpc-tls.crt:{cert}" in unit.splitlines()
+    assert f"LoadCredential=grpc-tls.key:{key}" in unit.splitlines()
+    plain = _exec_start(_render(tmp_path, "triton", str(REPO / "roles" / "triton" / "templates" /
+                                                        "tritonserver.service.j2"), public))
+    assert not [a for a in plain if "ssl" in a or "server-cert" in a]
+    tls = {"triton_grpc_tls_cert_file": str(cert), "triton_grpc_tls_key_file": str(key)}
+    probe = _exec_start(_render(tmp_path, "smoke", str(REPO / "roles" / "smoke" / "templates" /
+                                                       "llmhost-smoke@.service.j2"), {**public, **tls}))
+    assert "--no-grpc" in probe and "--grpc-url" not in probe  # the probe speaks plaintext gRPC
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"triton_grpc_tls_cert_file": "/nonexistent/grpc.crt"}, "triton_grpc_tls_key_file must both be"),
+    ({"triton_grpc_tls_cert_file": "/nonexistent/grpc.crt", "triton_grpc_tls_key_file": "/nonexistent/grpc.key"},
+     "/nonexistent/grpc.crt (triton_grpc_tls_cert_file / triton_grpc_tls_key_file) is not a file"),
+])
+def test_grpc_tls_settings_are_checked_by_name(tmp_path: Path, extra: dict[str, Any], needle: str) -> None:
+    tasks = [_include("triton", "preflight.yml")]
+    variables = {"llmhost_venv_dir": str(VENV), "llmhost_bind_address": "0.0.0.0", "llmhost_allow_public_triton": True,
+                 **extra}
+    run = ansible_playbook("-i", "localhost,", str(_play(tmp_path, tasks, variables, "preflight")))
+    assert run.rc != 0 and needle in " ".join(run.output.split()), run.output[-3000:]
+
+
+def test_grpc_tls_on_loopback_is_refused(tmp_path: Path) -> None:
+    cert = tmp_path / "grpc.crt"
+    cert.write_text("certificate\n")
+    tasks = [_include("triton", "preflight.yml")]
+    variables = {"llmhost_venv_dir": str(VENV), "triton_grpc_tls_cert_file": str(cert),
+                 "triton_grpc_tls_key_file": str(cert)}
+    run = ansible_playbook("-i", "localhost,", str(_play(tmp_path, tasks, variables, "preflight")))
+    assert run.rc != 0 and "loopback stays plaintext" in " ".join(run.output.split()), run.output[-3000:]
+
+
 def test_role_and_package_agree_on_header_apis_and_variable() -> None:
     private = load_yaml(REPO / "roles" / "triton" / "vars" / "main.yml")
     assert private["_triton_service_admin_header"] == HEADER
