@@ -5,7 +5,8 @@
 - the gateway and the backend never import each other (the gateway runs on hosts
   without vLLM or Triton; the backend inside Triton's Python stub);
 - the installed package imports nothing from the repository's tests, scripts, lab
-  or monitoring folders (they are not installed).
+  or monitoring folders (they are not installed);
+- one package per concern: few modules loose in src/llmhost.
 """
 
 from __future__ import annotations
@@ -114,3 +115,12 @@ def test_the_package_imports_nothing_that_is_not_installed():
     wrong = sorted((name, m) for name, imported in everything.items() for m in imported
                    if m.split(".")[0] in NOT_INSTALLED)
     assert wrong == []
+
+
+def test_one_package_per_concern_and_few_loose_modules():
+    """src/llmhost: at most 6 modules at the top, the rest in packages (each with an
+    __init__.py, or setuptools would leave it out of the wheel)."""
+    loose = sorted(p.name for p in (SRC / "llmhost").glob("*.py"))
+    assert len(loose) <= 6, loose
+    folders = {p.parent for p in (SRC / "llmhost").rglob("*.py")}
+    assert sorted(str(f.relative_to(SRC)) for f in folders if not (f / "__init__.py").is_file()) == []

@@ -1,0 +1,109 @@
+"""What the python_env role puts on a host for the llmhost package. The role's own tasks
+that choose the files run for real on this machine (connection local); its copy task
+copies exactly that list to the same relative paths, which the test does the same way
+into a temporary directory, then builds the copied tree into a wheel as the host's pip
+does.
+
+The host gets pyproject.toml and src/llmhost, nothing of lab/ or tests/, and the wheel
+holds every module of the package with its templates and data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.ansible._helpers import REPO, ROLES, ansible_playbook, load_yaml
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the role's tasks run as root")
+
+TASKS = ROLES / "python_env" / "tasks" / "llmhost.yml"
+FIRST_HOST_TASK = "Create the llmhost source directories"
+COPY_TASK = "Copy the llmhost sources"
+PACKAGE = REPO / "src" / "llmhost"
+
+
+def _tasks() -> list[dict]:
+    tasks = load_yaml(TASKS)
+    names = [t.get("name") for t in tasks]
+    assert FIRST_HOST_TASK in names and COPY_TASK in names, names
+    return tasks
+
+
+def test_the_copy_task_copies_the_chosen_files_and_nothing_else():
+    """What the fixture below relies on: one copy per listed file, to the same relative path."""
+    (copy,) = [t for t in _tasks() if t.get("name") == COPY_TASK]
+    assert copy["loop"] == "{{ _python_env_src_files }}"
+    assert copy["ansible.builtin.copy"]["src"] == "{{ llmhost_source_dir }}/{{ item }}"
+    assert copy["ansible.builtin.copy"]["dest"] == "{{ _python_env_src_dir }}/{{ item }}"
+    copies = [t for t in _tasks() if "ansible.builtin.copy" in t and "src" in t["ansible.builtin.copy"]]
+    assert copies == [copy]
+
+
+@pytest.fixture(scope="module")
+def landed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The files the role copies (its own list, _python_env_src_files), copied here."""
+    tmp = tmp_path_factory.mktemp("package-sources")
+    tasks = _tasks()
+    choose = tasks[: [t.get("name") for t in tasks].index(FIRST_HOST_TASK)]
+    listed = tmp / "files.json"
+    choose.append({"name": "Write the list down", "ansible.builtin.copy": {
+        "content": "{{ _python_env_src_files | to_json }}", "dest": str(listed), "mode": "0644"}})
+    (tmp / "choose.yml").write_text(yaml.safe_dump(choose, sort_keys=False))
+    play = [{"name": "Choose the llmhost sources as python_env does", "hosts": "all", "gather_facts": False,
+             "tasks": [{"name": "The role's tasks", "ansible.builtin.include_tasks": str(tmp / "choose.yml")}]}]
+    (tmp / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
+    extra = {"llmhost_source_dir": str(REPO), "ansible_python_interpreter": sys.executable}
+    run = ansible_playbook("-i", "localhost,", "-c", "local", "-e", json.dumps(extra), str(tmp / "play.yml"))
+    assert run.rc == 0, run.output[-3000:]
+    dest = tmp / "src" / "llmhost"
+    for rel in json.loads(listed.read_text()):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / rel, dest / rel)
+    return dest
+
+
+def _files(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+
+
+def test_the_host_gets_the_package_and_nothing_of_lab_or_tests(landed: Path):
+    files = _files(landed)
+    assert "pyproject.toml" in files and "src/llmhost/cli.py" in files, sorted(files)[:20]
+    strays = sorted(f for f in files if f != "pyproject.toml" and f != "LICENSE" and not f.startswith("src/llmhost/"))
+    assert strays == []
+    assert not [f for f in files if f.startswith(("lab/", "tests/")) or "/lab/" in f or "gpucheck" in f]
+
+
+def test_every_module_template_and_data_file_of_the_package_lands(landed: Path):
+    wanted = {f"src/llmhost/{f}" for f in _files(PACKAGE)
+              if "__pycache__" not in f and f.endswith((".py", ".j2", ".json"))}
+    assert wanted - _files(landed) == set()
+
+
+def test_the_wheel_built_on_the_host_holds_the_package_alone(landed: Path, tmp_path: Path):
+    """pip on the host builds from the copied tree: the wheel has every module, the Triton
+    templates and the CUDA matrix, and no top-level name but llmhost."""
+    build = tmp_path / "tree"
+    shutil.copytree(landed, build)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                           "--disable-pip-version-check", "--no-input", "-q", "-w", str(tmp_path / "out"),
+                           str(build)], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "out").glob("llmhost-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    top = {n.split("/")[0] for n in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"llmhost"}, top
+    modules = {f"llmhost/{f}" for f in _files(PACKAGE)
+               if "__pycache__" not in f and f.endswith((".py", ".j2", ".json"))}
+    assert modules - names == set()
+    assert "llmhost/server/templates/tritonserver.args.j2" in names
+    assert "llmhost/data/cuda_matrix.json" in names
