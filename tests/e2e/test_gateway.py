@@ -353,6 +353,7 @@ def test_native_generate_and_generate_stream(gateway, server):
     assert whole["model_name"] == server.name and isinstance(whole["text_output"], str)
     assert whole["num_output_tokens"] == 8 and "num_input_tokens" not in whole
     text = ""
+    counted = _gateway_series(gateway, "llmhost_gateway_tokens_per_event_count")
     with httpx.stream("POST", f"{base}/generate_stream", json={**body, "stream": True}, headers=_auth(),
                       timeout=120) as s:
         assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
@@ -360,6 +361,8 @@ def test_native_generate_and_generate_stream(gateway, server):
     text = "".join(e["text_output"] for e in events)
     # Each response counts its own output tokens (vllm_backend's num_output_tokens).
     assert len(events) >= 2 and text == whole["text_output"] and sum(e["num_output_tokens"] for e in events) == 8
+    # The stream's events are counted as the OpenAI door's are (tokens per event).
+    assert _gateway_series(gateway, "llmhost_gateway_tokens_per_event_count") == counted + len(events)
     r = httpx.post(f"{base}/generate", json={**body, "temperature": -1}, headers=_auth(), timeout=60)
     assert r.status_code == 400 and "temperature" in r.json()["error"]
     assert httpx.post(f"{base}/generate", json=body, timeout=60).status_code == 401

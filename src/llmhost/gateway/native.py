@@ -222,7 +222,7 @@ def _scalar(values: list[Any]) -> Any:
 
 class _Counter:
     """Keeps a request record's token counts from native responses' outputs (each
-    response counts its own output tokens)."""
+    response counts its own output tokens; each response is one event of a stream)."""
 
     def __init__(self, rec: RequestRecord) -> None:
         self.rec = rec
@@ -231,7 +231,9 @@ class _Counter:
         if outputs.get("num_input_tokens"):
             self.rec.prompt_tokens = int(outputs["num_input_tokens"][0])
         if outputs.get("num_output_tokens"):
-            self.rec.output_tokens += int(sum(outputs["num_output_tokens"]))
+            counts = [int(n) for n in outputs["num_output_tokens"]]
+            self.rec.output_tokens += sum(counts)
+            self.rec.event_tokens.append(max(counts))
 
 
 class NativeApi:
