@@ -43,7 +43,7 @@ LINE = re.compile(r"^(vllm:[^{ ]+)\{([^}]*)\} (\S+)$")
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # fresh_metrics: vllm_backend's read-after-response freshness is opt-in (off by
-    # default: the per-request pushes cost the H100 path 1.13-1.38x, docs/performance.md).
+    # default: the per-request pushes cost the H100 path 1.13-1.38x, docs/performance-history.md).
     srv = start_server(tiny_model, tmp_path_factory.mktemp("metrics-serve"),
                        extra=[*repo.explicit_args(), "--setting", "fresh_metrics=true"])
     yield srv

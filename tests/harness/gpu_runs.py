@@ -1,5 +1,5 @@
 """Reading a recorded `lab/gpu_speed.py` run (its result.json) in the unit tests
-that check what docs/performance.md states of it: per-level figures of each side and
+that check what docs/performance-history.md states of it: per-level figures of each side and
 the per-round ratios between two sides."""
 
 from __future__ import annotations

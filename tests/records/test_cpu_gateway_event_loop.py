@@ -1,6 +1,6 @@
 """The gateway on uvloop against asyncio's loop on the 2-core machine (2026-11-26):
 two runs of ``lab/bench_compare.py --paths triton,gateway``. What
-docs/performance.md ("The gateway's event loop") states of them is checked
+docs/performance-history.md ("The gateway's event loop") states of them is checked
 here from the recorded JSON."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The gateway's event loop at concurrency 1 on the H100: one run of
 ``lab/gateway_probe.py --levels 1 --rounds 4 --sides http,gateway,gateway-uvloop``
 (2026-11-26, vLLM 0.20.2), recorded in
-``device-run-2026-11-26-gateway-probe/8-uvloop-c1``. What docs/performance.md ("The
+``device-run-2026-11-26-gateway-probe/8-uvloop-c1``. What docs/performance-history.md ("The
 gateway's event loop") states of it is checked here from the recorded numbers."""
 
 from __future__ import annotations

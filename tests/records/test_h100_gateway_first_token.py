@@ -1,7 +1,7 @@
 """Where the gateway's first-token time goes on the H100: three runs of
 ``lab/gateway_probe.py`` (2026-11-26, vLLM 0.20.2), recorded in
 ``device-run-2026-11-26-gateway-probe/{1-connections,2-outputs,3-sparse}``. What
-docs/performance.md ("Where the gateway's first-token time goes on the H100") states of
+docs/performance-history.md ("Where the gateway's first-token time goes on the H100") states of
 them is checked here from the recorded numbers."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 of ``lab/gateway_probe.py`` (2026-11-26, vLLM 0.20.2, sides http, gateway with a
 stream per request, and gateway-reuse: the prototype, a temporary switch that is not in
 the code), recorded in ``device-run-2026-11-26-gateway-probe/{6-stream-reuse,
-7-stream-reuse-b}``. What docs/performance.md ("Kept gRPC streams: tried, not kept")
+7-stream-reuse-b}``. What docs/performance-history.md ("Kept gRPC streams: tried, not kept")
 states of them is checked here from the recorded numbers."""
 
 from __future__ import annotations

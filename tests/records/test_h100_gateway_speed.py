@@ -7,7 +7,7 @@
 ``triton`` (one response per engine step over Triton HTTP SSE), ``vllm`` (vLLM's own
 OpenAI server) and ``gateway`` (``llmhost gateway`` -> Triton gRPC -> the ``triton`` side's
 server, OpenAI ``/v1/completions``), rotated each round; the client ``llmhost bench
---processes 8`` on the same 16 cores. What docs/performance.md ("The gateway on the H100")
+--processes 8`` on the same 16 cores. What docs/performance-history.md ("The gateway on the H100")
 states of it is checked here from the recorded numbers."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ metrics pushed before every final response (2026-11-25, vLLM 0.20.2):
 * ``device-run-2026-11-25-fresh``: gpu_speed.py, the per-step Triton path with the
   metrics pushed before every final response (then the default) against vLLM's server
   and against the same path with ``fresh_metrics=false``; 2 rounds (the budget ended
-  the third) at 16/64/256. What docs/performance.md states of them is checked here
+  the third) at 16/64/256. What docs/performance-history.md states of them is checked here
   from the recorded numbers."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 
 with the code's default settings: ``triton`` (one response per engine step over Triton
 HTTP SSE), ``vllm`` (vLLM's own OpenAI server) and ``grouped`` (stream_interval_ms 50),
-the client ``llmhost bench --processes 8`` on the same 16 cores. What docs/performance.md
+the client ``llmhost bench --processes 8`` on the same 16 cores. What docs/performance-history.md
 ("The final code, 3 rounds") states of it is checked here from the recorded numbers."""
 
 from __future__ import annotations

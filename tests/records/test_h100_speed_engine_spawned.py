@@ -2,7 +2,7 @@
 ``device-run-2026-11-25-spawn``. The three servers resident together (0.2 of the GPU's
 memory each), 3 rounds at concurrency 1/16/64/256: the per-step Triton path with the
 backend's new default ``engine_start_method`` (spawn, as vLLM's own server), vLLM's
-server, and the per-step path with 4 response threads. The facts docs/performance.md
+server, and the per-step path with 4 response threads. The facts docs/performance-history.md
 ("vLLM's engine started as vLLM's server starts it") states are checked here from the
 recorded raw numbers, and so are those of ``device-run-2026-11-25-backlog``: the same
 three sides at 16/64/256 after the stub's I/O thread began taking its whole queue."""

@@ -1,6 +1,6 @@
 """The H100 speed runs of 2026-11-25 (lab/gpu_speed.py with per-thread CPU and
 the servers' metrics sampled per level, vLLM 0.20.2): why the per-step Triton path trails
-vLLM's own server at c=16 and c=256. The facts docs/performance.md ("What is left on the
+vLLM's own server at c=16 and c=256. The facts docs/performance-history.md ("What is left on the
 H100") states are checked here from the recorded raw numbers.
 
 * ``device-run-2026-11-25-apart``: servers started apart (one at a time, vLLM's default

@@ -1,7 +1,7 @@
 """The GPU speed run recorded on the real H100 (lab/gpu_speed.py, vLLM 0.20.2,
 2026-11-24): the Triton path (`llmhost serve --device gpu`, one response per engine step)
 against vLLM's own OpenAI server, same model and engine arguments, 3 alternating rounds,
-plus the grouped mode (default stream window). The facts docs/performance.md states are
+plus the grouped mode (default stream window). The facts docs/performance-history.md states are
 checked here from the raw per-round numbers, so the record and the claims made from it
 cannot drift apart. The script's pure helpers are checked in tests/unit/test_gpu_speed_watch.py."""
 
