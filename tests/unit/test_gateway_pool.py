@@ -19,6 +19,10 @@ from llmhost.gateway.upstream import Piece, UpstreamDown
 from tests.unit._gateway_fakes import Fake, chat, client, keystore, make_app
 
 
+def _states(pool: UpstreamPool) -> list[tuple[str, str]]:
+    """(target, state) per upstream, as the admin API lists them."""
+    return [(u["target"], u["state"]) for u in pool.view()]
+
 def _pool(*fakes: Fake, models: tuple[str, ...] = ("m",), **settings: Any) -> UpstreamPool:
     return UpstreamPool([(f"{f.name}:1", f) for f in fakes], list(models), PoolSettings(**settings))
 
@@ -75,15 +79,15 @@ def test_health_checks_mark_upstreams_down_and_up():
 
     async def run() -> None:
         await pool.check()  # at start, the first check decides
-        assert [(t, up) for t, up, _ in pool.snapshot()] == [("a:1", False), ("b:1", True)]
+        assert [(u["target"], u["up"]) for u in pool.view()] == [("a:1", False), ("b:1", True)]
         a.reachable = True
         await pool.check()
-        assert [up for _, up, _ in pool.snapshot()] == [False, True]  # one pass is not enough to come back
+        assert [u["up"] for u in pool.view()] == [False, True]  # one pass is not enough to come back
         await pool.check()
-        assert [up for _, up, _ in pool.snapshot()] == [True, True]
+        assert [u["up"] for u in pool.view()] == [True, True]
         a.ready = set()  # reachable, but the model is not ready
         await pool.check()
-        assert [up for _, up, _ in pool.snapshot()] == [False, True]
+        assert [u["up"] for u in pool.view()] == [False, True]
 
     asyncio.run(run())
 
@@ -95,15 +99,15 @@ def test_an_upstream_that_stops_answering_is_out_after_the_failures_and_back_aft
     async def states() -> list[str]:
         seen = []
         await pool.check()
-        seen.append(pool.states()[0][1])
+        seen.append(pool.view()[0]["state"])
         a.reachable = False
         for _ in range(3):
             await pool.check()
-            seen.append(pool.states()[0][1])
+            seen.append(pool.view()[0]["state"])
         a.reachable = True
         for _ in range(2):
             await pool.check()
-            seen.append(pool.states()[0][1])
+            seen.append(pool.view()[0]["state"])
         return seen
 
     assert asyncio.run(states()) == ["in_service", "in_service", "in_service", "out", "out", "in_service"]
@@ -117,7 +121,7 @@ def test_a_slow_health_check_times_out_and_marks_down():
 
     pool = _pool(Slow("a"), timeout_s=0.01)
     asyncio.run(pool.check())
-    assert pool.snapshot() == [("a:1", False, 0)]
+    assert [(u["target"], u["up"], u["outstanding"]) for u in pool.view()] == [("a:1", False, 0)]
 
 
 def test_an_upstream_that_answers_late_under_load_stays_in_until_the_threshold():
@@ -134,17 +138,17 @@ def test_an_upstream_that_answers_late_under_load_stays_in_until_the_threshold()
 
     async def checks() -> list[bool]:
         await pool.check()
-        seen = [pool.snapshot()[0][1]]
+        seen = [pool.view()[0]["up"]]
         late.slow = True
         for _ in range(2):
             await pool.check()
-            seen.append(pool.snapshot()[0][1])
+            seen.append(pool.view()[0]["up"])
         late.slow = False
         await pool.check()  # a check that passes starts the count again
         late.slow = True
         for _ in range(3):
             await pool.check()
-            seen.append(pool.snapshot()[0][1])
+            seen.append(pool.view()[0]["up"])
         return seen
 
     assert asyncio.run(checks()) == [True, True, True, True, True, False]
@@ -176,7 +180,7 @@ def test_an_unreachable_upstream_is_marked_down_and_the_request_retried_once():
             await pool.check()
             r = await c.post("/v1/chat/completions", content=chat(stream=True))
             assert r.status_code == 200 and "hello from b" in r.text
-            assert [up for _, up, _ in pool.snapshot()] == [False, True]
+            assert [u["up"] for u in pool.view()] == [False, True]
             assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from b!"
 
     asyncio.run(run())
@@ -190,7 +194,7 @@ def test_a_draining_upstream_is_taken_out_until_its_health_checks_pass():
     async def run() -> None:
         async with client(_app(pool)) as c:
             assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from b!"
-            assert pool.states() == [("a:1", "draining"), ("b:1", "in_service")]
+            assert _states(pool) == [("a:1", "draining"), ("b:1", "in_service")]
             a.fail = None
             assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from b!"
             await pool.check()
@@ -224,7 +228,7 @@ def test_a_health_check_late_once_turns_no_request_away():
             await pool.check()
             a.slow = True
             await pool.check()  # late once: with a threshold of 1 it is out
-            assert pool.states() == [("a:1", "out")]
+            assert _states(pool) == [("a:1", "out")]
             r = await c.post("/v1/chat/completions", content=chat())
             assert r.status_code == 200 and _text(r) == "hello from a!", r.text
             assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["m"]
@@ -244,7 +248,7 @@ def test_one_late_health_check_with_the_default_thresholds_keeps_the_upstream_in
             await pool.check()
             a.slow = True
             await pool.check()
-            assert pool.states() == [("a:1", "in_service")]
+            assert _states(pool) == [("a:1", "in_service")]
             r = await c.post("/v1/chat/completions", content=chat(stream=True))
             assert r.status_code == 200 and "hello from a" in r.text, r.text
             a.slow = False
@@ -270,17 +274,17 @@ def test_out_after_the_configured_failures_and_back_after_the_configured_passes(
             a.reachable = False
             for _ in range(unhealthy - 1):
                 await pool.check()
-                assert pool.states()[0] == ("a:1", "in_service")
+                assert _states(pool)[0] == ("a:1", "in_service")
             await pool.check()
-            assert pool.states()[0] == ("a:1", "out")
+            assert _states(pool)[0] == ("a:1", "out")
             assert await served_by(c) == {"hello from b!"}
             a.reachable = True
             for _ in range(healthy - 1):
                 await pool.check()
-                assert pool.states()[0] == ("a:1", "out")
+                assert _states(pool)[0] == ("a:1", "out")
                 assert await served_by(c) == {"hello from b!"}
             await pool.check()
-            assert pool.states()[0] == ("a:1", "in_service")
+            assert _states(pool)[0] == ("a:1", "in_service")
             assert "hello from a!" in await served_by(c)
 
     asyncio.run(run())
@@ -297,7 +301,7 @@ def test_panic_mode_skips_upstreams_known_to_be_unreachable_or_draining():
             await pool.check()  # a: out, unreachable; b: in service
             r = await c.post("/v1/chat/completions", content=chat())  # b says it is stopping
             assert r.status_code == 503, r.text
-            assert pool.states() == [("a:1", "out"), ("b:1", "draining")]
+            assert _states(pool) == [("a:1", "out"), ("b:1", "draining")]
             r = await c.post("/v1/chat/completions", content=chat())
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_upstream"
 
@@ -375,7 +379,7 @@ def test_no_retry_once_a_token_went_to_the_client():
 
     asyncio.run(run())
     assert (a.calls, b.calls) == (1, 0)
-    assert [up for _, up, _ in pool.snapshot()] == [False, True]
+    assert [u["up"] for u in pool.view()] == [False, True]
 
 
 def test_no_healthy_upstream_is_503_with_the_openai_error_object():
@@ -413,7 +417,7 @@ def test_over_the_upstream_limit_requests_queue_then_a_full_queue_is_503():
             assert (await first).status_code == 200 and (await queued).status_code == 200
 
     asyncio.run(run())
-    assert a.calls == 2 and pool.snapshot() == [("a:1", True, 0)]
+    assert a.calls == 2 and [(u["target"], u["up"], u["outstanding"]) for u in pool.view()] == [("a:1", True, 0)]
 
 
 def test_a_queued_request_gives_up_after_the_queue_timeout():
@@ -450,7 +454,7 @@ def test_a_request_that_leaves_the_queue_frees_its_place():
             await waiter
         assert pool.waiting == 0
         await pool.release(held)
-        assert pool.snapshot() == [("a:1", True, 0)]
+        assert [(u["target"], u["up"], u["outstanding"]) for u in pool.view()] == [("a:1", True, 0)]
         second = await pool.acquire("m")  # room again, no slot leaked
         await pool.release(second)
 
@@ -464,7 +468,7 @@ def test_an_unexpected_failure_of_a_health_check_marks_down_and_checks_go_on():
 
     pool = _pool(Broken("a"), Fake("b"))
     asyncio.run(pool.check())
-    assert [up for _, up, _ in pool.snapshot()] == [False, True]
+    assert [u["up"] for u in pool.view()] == [False, True]
 
 
 def test_a_key_sees_only_the_models_it_may_use():

@@ -196,18 +196,10 @@ class UpstreamPool:
     async def model_ready(self, model: str) -> bool:
         return model in await self.ready_models()
 
-    def snapshot(self) -> list[tuple[str, bool, int]]:
-        """(target, up, outstanding) per upstream, for the metrics."""
-        return [(m.target, m.up, m.outstanding) for m in self.members]
-
     def view(self) -> list[dict[str, Any]]:
         """Every upstream: its state, whether it is held, requests in flight, routable."""
         return [{"target": m.target, "state": m.state, "held": m.held, "outstanding": m.outstanding, "up": m.up}
                 for m in self.members]
-
-    def states(self) -> list[tuple[str, str]]:
-        """(target, state) per upstream: in_service, draining or out."""
-        return [(m.target, m.state) for m in self.members]
 
     async def call(self, model: str, fn: Callable[[Any], Any]) -> Any:
         """FN(client) on the least busy upstream where MODEL is ready (no slot taken:
