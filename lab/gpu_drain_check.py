@@ -29,6 +29,7 @@ from typing import Any
 
 import psutil
 
+from lab.gpucheck.check import stream_tokens
 from lab.gpucheck.lifecycle import GRPC, HTTP, METRICS, MODEL, URL, alive, log, ready, tree, wait
 
 STREAMS, TOKENS = 32, 400
@@ -42,34 +43,9 @@ def serve(model: Path, workdir: Path, logfile: Path, drain_s: int) -> subprocess
 
 
 def stream(outcome: dict[str, Any]) -> None:
-    import urllib.error
-    import urllib.request
-
-    body = json.dumps({"text_input": "def main():", "max_tokens": TOKENS, "ignore_eos": True, "stream": True,
-                       "return_num_output_tokens": True}).encode()
-    req = urllib.request.Request(f"{URL}/v2/models/{MODEL}/generate_stream", data=body, method="POST")
-    last: dict[str, Any] = {}
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            for raw in r:
-                line = raw.decode(errors="replace").strip()
-                if line.startswith("data: "):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        outcome["error"] = event["error"]
-                        return
-                    last = event
-    except urllib.error.HTTPError as exc:  # an error before the first token: Triton answers it as the status
-        body = exc.read().decode(errors="replace")
-        try:
-            outcome["error"] = f"HTTP {exc.code}: {json.loads(body)['error']}"
-        except (ValueError, KeyError, TypeError):
-            outcome["error"] = f"HTTP {exc.code}: {body[:300]}"
-        return
-    except OSError as exc:
-        outcome["error"] = f"{type(exc).__name__}: {exc}"
-        return
-    outcome["tokens"] = last.get("num_output_tokens")
+    """One stream of TOKENS from the served model, its tokens (each response counts its own)
+    or its error into OUTCOME."""
+    stream_tokens(outcome, threading.Event(), url=URL, max_tokens=TOKENS, model=MODEL)
 
 
 def engine_procs(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:

@@ -62,6 +62,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -365,13 +366,13 @@ def structured() -> dict[str, Any]:
 
 
 def stream_tokens(outcome: dict[str, Any], close: threading.Event, url: str = URL, max_tokens: int = CANCEL_TOKENS,
-                  started: threading.Event | None = None) -> None:
-    """One stream of MAX_TOKENS (ignore_eos) from Triton's HTTP generate_stream at URL: its
-    tokens and error into OUTCOME; closed by the client once CLOSE is set. STARTED is set
-    at the first event (and when the stream ends, whatever happened)."""
+                  started: threading.Event | None = None, model: str = NAME) -> None:
+    """One stream of MAX_TOKENS (ignore_eos) from MODEL's HTTP generate_stream on Triton at
+    URL: its tokens and error into OUTCOME; closed by the client once CLOSE is set. STARTED
+    is set at the first event (and when the stream ends, whatever happened)."""
     body = json.dumps({"text_input": "def main():", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
                        "return_num_output_tokens": True}).encode()
-    req = urllib.request.Request(f"{url}/v2/models/{NAME}/generate_stream", data=body, method="POST")
+    req = urllib.request.Request(f"{url}/v2/models/{model}/generate_stream", data=body, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             for raw in r:
@@ -387,6 +388,12 @@ def stream_tokens(outcome: dict[str, Any], close: threading.Event, url: str = UR
                         started.set()
                 if close.is_set():
                     break  # leaving the with block closes the connection mid-stream
+    except urllib.error.HTTPError as exc:  # an error before the first token: Triton answers it as the status
+        text = exc.read().decode(errors="replace")
+        try:
+            outcome["error"] = f"HTTP {exc.code}: {json.loads(text)['error']}"
+        except (ValueError, KeyError, TypeError):
+            outcome["error"] = f"HTTP {exc.code}: {text[:300]}"
     except OSError as exc:
         outcome["error"] = f"{type(exc).__name__}: {exc}"
     outcome["closed_at"] = time.monotonic()
