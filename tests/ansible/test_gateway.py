@@ -97,6 +97,17 @@ def test_preflight_names_the_bad_setting(extra: dict[str, Any], needles: tuple[s
         assert secret not in run.output, "the preflight printed a key"
 
 
+def test_a_local_triton_with_grpc_over_tls_is_not_reached_on_loopback(tmp_path: Path) -> None:
+    cert = tmp_path / "grpc.crt"
+    cert.write_text("certificate\n")
+    tls = {"llmhost_bind_address": "0.0.0.0", "llmhost_allow_public_triton": True,
+           "triton_grpc_tls_cert_file": str(cert), "triton_grpc_tls_key_file": str(cert)}
+    run = preflight({**keys({"name": "a", "key": KEY}), **tls})
+    assert_fails_naming(run, "serves gRPC over TLS", "127.0.0.1:8001", "gateway_upstream_ca_file")
+    run = preflight({**keys({"name": "a", "key": KEY}), **tls, "gateway_upstreams": ["10.0.0.11:8001"]})
+    assert run.rc == 0, run.output
+
+
 def test_metrics_on_the_network_pass_with_a_token_or_when_allowed() -> None:
     for extra in ({"gateway_metrics_token": METRICS_TOKEN}, {"gateway_metrics_allow_anonymous": True}):
         run = preflight({**keys({"name": "a", "key": KEY}), "gateway_metrics_listen_address": "0.0.0.0", **extra})
@@ -260,3 +271,13 @@ def test_a_gateway_only_host_refuses_an_inference_host_with_triton_on_loopback(t
     assert run.recap()["gw"]["failed"] == 1, run.output
     assert "cannot reach Triton on gpu-1" in failure and "loopback" in failure, failure[:3000]
     assert KEY not in run.output
+
+
+def test_remote_image_urls_are_fetched_only_when_allowed(tmp_path: Path) -> None:
+    base = {**keys({"name": "alice", "key": KEY}), "llmhost_models": [{"name": "tiny", "source": "tiny"}]}
+    run = _render(tmp_path, base)
+    assert run.rc == 0, run.output
+    assert "--allow-remote-images" not in (tmp_path / "unit").read_text()
+    run = _render(tmp_path, {**base, "gateway_allow_remote_images": True})
+    assert run.rc == 0, run.output
+    assert "  --allow-remote-images \\\n" in (tmp_path / "unit").read_text()

@@ -80,3 +80,95 @@ def test_text_alone_on_the_vision_model(vision_server: Server):
             return_num_output_tokens=True)
     assert r["num_output_tokens"] == 4
 
+
+
+# -- Image parts of chat messages through the gateway, with the official `openai` client --
+
+
+@pytest.fixture(scope="module")
+def vision_chat(vision_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    """Two gateways in front of the vision server: the demo's (engine sockets; remote image
+    URLs refused, the default) and one that may fetch them (over gRPC); and a local web
+    server with the red picture at /red.png."""
+    import base64 as b64
+
+    import openai
+
+    from tests.harness.gateway import KEY, keyed_gateway, stop_gateway
+    from tests.harness.webfiles import serve_files
+
+    web = serve_files({"/red.png": (200, b64.b64decode(RED))})
+    plain = keyed_gateway(vision_server, tmp_path_factory.mktemp("vision-gateway"),
+                          "--engine-sockets", f"{vision_server.grpc}={vision_server.engine_sockets}")
+    remote = keyed_gateway(vision_server, tmp_path_factory.mktemp("vision-gateway-remote"), "--allow-remote-images")
+    try:
+        yield {name: openai.OpenAI(base_url=g.url, api_key=KEY, max_retries=0, timeout=120)
+               for name, g in (("plain", plain), ("remote", remote))} | {
+            "url": f"http://127.0.0.1:{web.server_address[1]}/red.png"}
+    finally:
+        stop_gateway(plain.proc, plain.log)
+        stop_gateway(remote.proc, remote.log)
+        web.shutdown()
+
+
+def _asking(*images: str) -> list[dict[str, object]]:
+    return [{"role": "user", "content": [{"type": "text", "text": PROMPT},
+                                         *({"type": "image_url", "image_url": {"url": u}} for u in images)]}]
+
+
+def _data_url(png_b64: str) -> str:
+    return f"data:image/png;base64,{png_b64}"
+
+
+CHAT = {"model": "vision", "max_tokens": 6, "temperature": 0, "logprobs": True, "extra_body": {"ignore_eos": True}}
+
+
+def _logprob(answer) -> float:  # type: ignore[no-untyped-def]
+    return sum(t.logprob for t in answer.choices[0].logprobs.content)
+
+
+def test_an_image_part_reaches_the_model_through_the_gateway(vision_chat):
+    client = vision_chat["plain"]
+    text_only = client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **CHAT)
+    red = client.chat.completions.create(messages=_asking(_data_url(RED)), **CHAT)
+    blue = client.chat.completions.create(messages=_asking(_data_url(BLUE)), **CHAT)
+    again = client.chat.completions.create(messages=_asking(_data_url(RED)), **CHAT)
+    # The image's query tokens are in the prompt, as the engine counts it.
+    assert red.usage.prompt_tokens == blue.usage.prompt_tokens == text_only.usage.prompt_tokens + QUERY_TOKENS
+    assert red.usage.completion_tokens == 6
+    assert _logprob(red) != _logprob(blue), (red, blue)  # the pixels reached the model
+    assert again.choices[0].message.content == red.choices[0].message.content
+    assert _logprob(again) == pytest.approx(_logprob(red), abs=1e-3)
+    # Streamed, over the other door (gRPC): the same answer.
+    streamed = "".join(c.choices[0].delta.content or "" for c in vision_chat["remote"].chat.completions.create(
+        messages=_asking(_data_url(RED)), stream=True, **{k: v for k, v in CHAT.items() if k != "logprobs"})
+        if c.choices)
+    assert streamed == red.choices[0].message.content
+
+
+def test_remote_image_urls_only_where_the_gateway_allows_them(vision_chat):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        vision_chat["plain"].chat.completions.create(messages=_asking(vision_chat["url"]), **CHAT)
+    error = info.value.response.json()["error"]
+    assert error["param"] == "messages[0].content[1].image_url.url" and "remote URL" in error["message"], error
+    fetched = vision_chat["remote"].chat.completions.create(messages=_asking(vision_chat["url"]), **CHAT)
+    sent = vision_chat["remote"].chat.completions.create(messages=_asking(_data_url(RED)), **CHAT)
+    assert fetched.choices[0].message.content == sent.choices[0].message.content
+    assert fetched.usage.prompt_tokens == sent.usage.prompt_tokens
+    assert _logprob(fetched) == pytest.approx(_logprob(sent), abs=1e-3)
+
+
+@pytest.mark.parametrize(("images", "needle"), [
+    # BLIP-2 reads one picture a prompt: vLLM's limit, passed on as the client's error.
+    ([_data_url(RED), _data_url(BLUE)], "At most 1 image(s) may be provided in one prompt"),
+    ([_data_url(base64.b64encode(b"GIF89a but not really").decode())], "is not an image Pillow can read"),
+    (["data:image/png;base64,not base64!"], "messages[0].content[1].image_url.url"),
+])
+def test_image_parts_the_model_cannot_take_are_a_400(vision_chat, images, needle):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        vision_chat["plain"].chat.completions.create(messages=_asking(*images), **CHAT)
+    assert needle in info.value.response.text, info.value.response.text

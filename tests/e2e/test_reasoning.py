@@ -104,3 +104,45 @@ def test_tools_on_a_model_without_a_tool_parser_are_400(ours, theirs, choice):
     assert "'tool_choice'" in err.value.body["message"] and "tool_parser" in err.value.body["message"]
     answer = ours.chat.completions.create(**KW, tools=TOOLS, tool_choice="none")
     assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason
+
+
+SWITCHES = [{"include_reasoning": False}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"},
+            {"chat_template_kwargs": {"enable_thinking": False, "not_in_the_template": 1}}]
+
+
+@pytest.mark.parametrize("extra", SWITCHES, ids=["include_reasoning", "effort-low", "effort-none", "template-kwargs"])
+def test_reasoning_switches_match_vllm_serve(ours, theirs, extra):
+    mine = ours.chat.completions.create(**KW, extra_body=extra)
+    vllms = theirs.chat.completions.create(**KW, extra_body=extra)
+    assert _said(mine.choices[0].message) == _said(vllms.choices[0].message)
+    assert (mine.usage.prompt_tokens, mine.usage.completion_tokens) == (vllms.usage.prompt_tokens,
+                                                                         vllms.usage.completion_tokens)
+    if extra.get("include_reasoning") is False:
+        reasoning, _ = _said(mine.choices[0].message)
+        assert reasoning is None and "reasoning_content" not in (mine.choices[0].message.model_extra or {})
+        assert _said(ours.chat.completions.create(**KW).choices[0].message)[0]  # it does think
+
+
+def test_streamed_without_reasoning_matches_vllm_serve(ours, theirs):
+    def streamed(client: openai.OpenAI) -> tuple[str, str]:
+        reasoning, content = "", ""
+        for chunk in client.chat.completions.create(stream=True, extra_body={"include_reasoning": False}, **KW):
+            for choice in chunk.choices:
+                reasoning += (choice.delta.model_extra or {}).get("reasoning") or ""
+                content += choice.delta.content or ""
+        return reasoning, content
+
+    mine = streamed(ours)
+    assert mine == streamed(theirs) and mine[0] == ""
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"include_reasoning": "no"}, "include_reasoning"),
+])
+def test_bad_reasoning_switches_are_400_naming_them(ours, extra, needle):
+    with pytest.raises(openai.BadRequestError) as err:
+        ours.chat.completions.create(**KW, extra_body=extra)
+    assert needle in err.value.body["message"], err.value.body

@@ -64,6 +64,7 @@ def test_relative_paths_are_relative_to_the_config_file(tmp_path):
     ("event_loop: trio\n", "event_loop must be one of asyncio, uvloop"),
     ("keys_file: 3\n", "keys_file must be a path"),
     ("allow_plaintext: yes please\n", "allow_plaintext must be true or false"),
+    ("allow_remote_images: 1\n", "allow_remote_images must be true or false"),
     ("- a\n", "must be a mapping"),
     ("a: [\n", "not valid YAML"),
 ])
@@ -231,3 +232,11 @@ def test_plain_http_off_loopback_is_refused_unless_asked_for(listen, tmp_path):
                           "--tls-key", str(key))).tls_cert == cert
     for loopback in ("127.0.0.1:1", "[::1]:1", "localhost:1", "127.3.4.5:1"):
         assert not settings(_args("--keys-file", "/k", "--model", "m", "--listen", loopback)).allow_plaintext
+
+
+def test_remote_images_are_off_unless_allowed(tmp_path):
+    assert not settings(_args("--keys-file", "/k", "--model", "m")).allow_remote_images
+    assert settings(_args("--keys-file", "/k", "--model", "m", "--allow-remote-images")).allow_remote_images
+    path = tmp_path / "gateway.yml"
+    path.write_text("models: [x]\nkeys_file: /k\nallow_remote_images: true\n")
+    assert settings(_args("--config", str(path))).allow_remote_images

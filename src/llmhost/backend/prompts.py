@@ -45,6 +45,32 @@ def derived_prompt_bytes(max_model_len: int, longest_token: int) -> int:
     return max_model_len * longest_token * UTF8_MAX_BYTES
 
 
+# apply_chat_template's own arguments that a client's chat_template_kwargs may not set:
+# the prompt is always text, rendered for generation, with the request's tools.
+_CALL_ARGUMENTS = frozenset({"conversation", "tools", "tokenize", "padding", "truncation", "max_length",
+                             "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                             "add_generation_prompt", "continue_final_message"})
+
+
+def template_kwargs(tokenizer: Any, job: GenerateJob) -> dict[str, Any]:
+    """The job's extra chat template arguments (GenerateJob.template_kwargs) as vLLM's
+    server passes them on: those the template or apply_chat_template knows (vLLM's
+    resolve_chat_template_kwargs; 'chat_template' and 'tokenize' are refused)."""
+    asked = job.template_kwargs()
+    if not asked:
+        return {}
+    from vllm.renderers.hf import resolve_chat_template_kwargs
+
+    template = tokenizer.chat_template
+    if not isinstance(template, str):
+        template = tokenizer.get_chat_template()
+    try:
+        known = resolve_chat_template_kwargs(tokenizer, template, asked)
+    except ValueError as exc:
+        raise RequestError(safe_message(f"'chat_template_kwargs': {exc}")) from None
+    return {k: v for k, v in known.items() if k not in _CALL_ARGUMENTS}
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """MESSAGES as chat templates take them: an assistant's tool call arguments as objects,
     not JSON text (vLLM's own conversion, on a copy)."""
@@ -151,8 +177,11 @@ class PromptEncoder:
         if job.messages is not None:
             try:
                 tools = {"tools": job.tools} if job.tools else {}
+                extra = template_kwargs(tok, job)
                 text = tok.apply_chat_template(template_messages(job.messages), tokenize=False,
-                                               add_generation_prompt=True, **tools)
+                                               add_generation_prompt=True, **tools, **extra)
+            except RequestError:
+                raise
             except Exception as exc:  # noqa: BLE001 - the template itself can reject a conversation
                 raise RequestError(safe_message(f"the model's chat template rejected 'messages': {exc}")) from None
             ids = tok.encode(text, add_special_tokens=False)

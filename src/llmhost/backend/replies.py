@@ -94,6 +94,10 @@ class ChatParsing:
             body["tool_choice"] = job.tool_choice
         if job.parallel_tool_calls is not None:
             body["parallel_tool_calls"] = job.parallel_tool_calls
+        if job.reasoning_effort is not None:
+            body["reasoning_effort"] = job.reasoning_effort
+        if not job.include_reasoning:
+            body["include_reasoning"] = False
         structured = job.sampling.get("structured_outputs")
         if structured is not None:
             body["structured_outputs"] = structured
@@ -171,7 +175,12 @@ class Replies:
         message = maybe_filter_parallel_tool_calls(message, self.request)
         if message.tool_calls:
             one.tools_streamed = True
-        return _with_reasoning_content(message.model_dump(exclude_unset=True, exclude_none=True))
+        said = message.model_dump(exclude_unset=True, exclude_none=True)
+        if not self.request.include_reasoning:  # as vLLM's server: the thinking is not sent
+            said.pop("reasoning", None)
+            if not said.get("content") and not said.get("tool_calls"):
+                return None
+        return _with_reasoning_content(said)
 
     def stream_finish(self, i: int, reason: str) -> str:
         """A streamed completion's finish reason as vLLM's server gives it: "tool_calls"
@@ -190,6 +199,8 @@ class Replies:
 
         reasoning, content, calls = self.choices[i].parser.parse(
             text, self.request, enable_auto_tools=bool(self.parsing.tool_parser), model_output_token_ids=token_ids)
+        if not self.request.include_reasoning:
+            reasoning = None
         auto = self.request.tools and self.request.tool_choice in ("auto", None) and self.parsing.tool_parser
         tool_calls: list[Any] = []
         if self.named or self.required:

@@ -48,6 +48,11 @@ MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 TOOLS = "tools"
 TOOL_CHOICE = "tool_choice"
 PARALLEL_TOOL_CALLS = "parallel_tool_calls"
+# A chat's template arguments and reasoning switches, as vLLM's OpenAI server takes them.
+CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
+REASONING_EFFORT = "reasoning_effort"
+INCLUDE_REASONING = "include_reasoning"
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # OpenAI's own bound on tools in one request.
 MAX_TOOLS = 128
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -120,6 +125,20 @@ class GenerateJob:
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # A chat's chat_template_kwargs, reasoning_effort and include_reasoning (parse_chat_options).
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra arguments as vLLM's server merges them: the client's
+        chat_template_kwargs, then reasoning_effort, and enable_thinking (off for effort
+        "none") unless the client set it."""
+        out = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            out[REASONING_EFFORT] = self.reasoning_effort
+            out.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return out
 
     def returns(self) -> frozenset[str]:
         """The additional outputs asked for, as the names of their return_* inputs,
@@ -284,6 +303,19 @@ def parse_tools(params: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, st
     return tools, choice, parallel
 
 
+def parse_chat_options(params: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None, bool | None]:
+    """Take 'chat_template_kwargs' (a JSON object), 'reasoning_effort' (one of vLLM's
+    REASONING_EFFORTS) and 'include_reasoning' (a bool) out of PARAMS, checked."""
+    kwargs = params.pop(CHAT_TEMPLATE_KWARGS, None)
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise RequestError(f"'{CHAT_TEMPLATE_KWARGS}' must be a JSON object of the chat template's arguments")
+    effort = params.pop(REASONING_EFFORT, None)
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise RequestError(f"'{REASONING_EFFORT}' must be one of {', '.join(REASONING_EFFORTS)}, "
+                           f"got {str(effort)[:40]!r}")
+    return kwargs, effort, _pop_bool(params, INCLUDE_REASONING)
+
+
 def _parameters(sampling_json: str | None, request_params: str | dict[str, Any] | None) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     if sampling_json is not None:
@@ -398,6 +430,11 @@ def parse_request(
     tools, tool_choice, parallel = parse_tools(params)
     if (tools is not None or parallel is not None) and messages is None:
         raise RequestError("'tools' are for a chat: give 'messages', not a prompt")
+    template_kwargs, effort, include_reasoning = parse_chat_options(params)
+    if messages is None and (asked := next((name for name, value in (
+            (CHAT_TEMPLATE_KWARGS, template_kwargs), (REASONING_EFFORT, effort),
+            (INCLUDE_REASONING, include_reasoning)) if value is not None), None)):
+        raise RequestError(f"'{asked}' is for a chat: give 'messages', not a prompt")
     images = parse_images(inputs[IMAGE]) if inputs.get(IMAGE) is not None else []
     sampling = validate_sampling(params, settings, limits.max_model_len if limits is not None else None)
     return GenerateJob(
@@ -419,4 +456,7 @@ def parse_request(
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
+        chat_template_kwargs=template_kwargs,
+        reasoning_effort=effort,
+        include_reasoning=include_reasoning is not False,
     )

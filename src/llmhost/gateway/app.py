@@ -28,6 +28,7 @@ from llmhost.gateway.config import GatewayConfig, is_loopback, parse_host_port
 from llmhost.gateway.embeddings import backend_request, embed_all, embedding_body, not_an_embedding
 from llmhost.gateway.errors import ApiError, invalid, model_not_found
 from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
+from llmhost.gateway.images import fetch_images
 from llmhost.gateway.keys import KeyStore
 from llmhost.gateway.limits import KeyLimiter
 from llmhost.gateway.mapping import BackendRequest, parse_body, parse_embeddings, to_backend
@@ -154,6 +155,9 @@ class Gateway(Access):
             if req.model not in self.config.models or not key.may_use(req.model):
                 raise model_not_found(req.model)
             await self.admit(request, key, _estimate(req))
+            if req.images:
+                req.images = list(await until_disconnect(request, fetch_images(req.images,
+                                                                               self.config.allow_remote_images)))
             pieces = _counted(self._pieces(req, request), rec)
             rid = new_id(chat)
             if req.stream:

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-anonymous-metrics", action="store_true", default=None,
                    help="serve /metrics (it names the keys) on an address other than loopback without a "
                         "token (refused otherwise)")
+    p.add_argument("--allow-remote-images", action="store_true", default=None,
+                   help="fetch the http(s) image URLs of chat messages (default: refused with a 400; data "
+                        "URLs are always taken)")
     p.add_argument("--health-interval-s", type=_seconds, metavar="S",
                    help=f"how often every upstream's models are checked (default {d.health_interval_s:g})")
     p.add_argument("--health-timeout-s", type=_seconds, metavar="S",

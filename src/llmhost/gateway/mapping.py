@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from llmhost.gateway.errors import invalid, unsupported
+from llmhost.gateway.images import MAX_IMAGES, RemoteImage, image_part
 from llmhost.gateway.openai_models import (
     MAX_EMBEDDING_INPUTS,
     UNSUPPORTED_COMMON,
@@ -25,6 +26,8 @@ PASSED = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_pe
           "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
           "skip_special_tokens", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
           "guided_grammar")
+# Chat fields passed to the backend under the same name when given (vLLM's).
+CHAT_PASSED = ("chat_template_kwargs", "reasoning_effort", "include_reasoning")
 # vLLM's ways to ask for structured output besides response_format.
 STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -57,6 +60,9 @@ class BackendRequest:
     batch: list[str | list[int]] = field(default_factory=list)
     # The prompt's embedding, not generated text (/v1/embeddings; an embedding model).
     embed: bool = False
+    # The chat's pictures in order (image_url parts): base64 text, or remote URLs that
+    # the gateway fetches before the request goes upstream (llmhost.gateway.images).
+    images: list[str | RemoteImage] = field(default_factory=list)
 
     @property
     def choices(self) -> int:
@@ -67,7 +73,7 @@ class BackendRequest:
 MAX_PROMPTS = 256
 
 # Names pydantic puts into an error's location for the member of a union.
-_UNION_TAGS = frozenset({"str", "list[str]", "list[TextPart]", "list[int]", "list[list[int]]", "dict[str,any]",
+_UNION_TAGS = frozenset({"str", "list[str]", "list[dict[str,any]]", "list[int]", "list[list[int]]", "dict[str,any]",
                          "literal['none','auto','required']", "NamedToolChoice"})
 
 
@@ -212,20 +218,41 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _content(content: str | list[Any] | None) -> str:
+def _content(content: str | list[Any] | None, where: str, images: list[str | RemoteImage]) -> str:
+    """A message's text; its image_url parts' pictures go to IMAGES, in order."""
     if content is None:
         return ""
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type")
+        if kind == "text":
+            if sorted(set(part) - {"type", "text"}):
+                raise unsupported(f"{at}.{sorted(set(part) - {'type', 'text'})[0]}", "is not a known field")
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"'{at}.text' must be a string", f"{at}.text")
+            texts.append(part["text"])
+        elif kind == "image_url":
+            if len(images) >= MAX_IMAGES:
+                raise invalid(f"'{at}' is one image too many: at most {MAX_IMAGES} in one request", at)
+            images.append(image_part(part, at))
+        elif isinstance(kind, str) and kind:
+            raise unsupported(f"{at}.type", f"is {kind[:32]!r}; served content parts: text, image_url")
+        else:
+            raise invalid(f"missing required field '{at}.type'", f"{at}.type", "missing_required_parameter")
+    return "".join(texts)
 
 
-def _message(m: ChatMessage, i: int) -> dict[str, Any]:
+def _message(m: ChatMessage, i: int, images: list[str | RemoteImage]) -> dict[str, Any]:
     """One chat message as the backend takes it (an assistant's tool calls with it)."""
     if m.content is None and not (m.role == "assistant" and m.tool_calls):
         raise invalid(f"'messages[{i}].content' is null; only an assistant message with tool_calls may "
                       "leave it out", f"messages[{i}].content")
     if m.tool_calls is not None and m.role != "assistant":
         raise invalid(f"'messages[{i}].tool_calls' belongs to an assistant message", f"messages[{i}].tool_calls")
-    msg: dict[str, Any] = {"role": m.role, "content": _content(m.content)}
+    msg: dict[str, Any] = {"role": m.role, "content": _content(m.content, f"messages[{i}].content", images)}
     if m.name is not None:
         msg["name"] = m.name
     if m.tool_calls:
@@ -289,9 +316,11 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
     text_input = messages = None
     prompt_token_ids: list[int] | None = None
     batch: list[str | list[int]] = []
+    images: list[str | RemoteImage] = []
     if isinstance(req, ChatCompletionRequest):
-        messages = [_message(m, i) for i, m in enumerate(req.messages)]
+        messages = [_message(m, i, images) for i, m in enumerate(req.messages)]
         sampling.update(_tools(req))
+        sampling.update({name: getattr(req, name) for name in CHAT_PASSED if getattr(req, name) is not None})
     else:
         prompts = _prompts(req.prompt)
         if req.echo and (len(prompts) > 1 or isinstance(prompts[0], list)):
@@ -315,4 +344,4 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
                           user=req.user, logprobs=logprobs,
                           echo=text_input if isinstance(req, CompletionRequest) and req.echo else None,
                           prompt_token_ids=prompt_token_ids, batch=batch,
-                          prompt_logprobs=req.prompt_logprobs is not None)
+                          prompt_logprobs=req.prompt_logprobs is not None, images=images)

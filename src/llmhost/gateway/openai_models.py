@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 # Fields of OpenAI's (or vLLM's) API that exist but are not served here.
 UNSUPPORTED_COMMON = ("logit_bias", "suffix", "best_of", "functions", "function_call", "audio",
-                      "modalities", "prediction", "store", "metadata", "service_tier", "reasoning_effort",
-                      "web_search_options", "use_beam_search")
+                      "modalities", "prediction", "store", "metadata", "service_tier", "web_search_options",
+                      "use_beam_search")
 
 Number = float
 
@@ -42,11 +42,6 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
 class FunctionCall(_Strict):
     name: str = Field(min_length=1)
     # JSON text, as OpenAI sends it (an object is taken too, as vLLM's server takes it).
@@ -61,8 +56,9 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    # None only for an assistant turn that called tools.
-    content: str | list[TextPart] | None
+    # None only for an assistant turn that called tools. Parts: text, and image_url
+    # (llmhost.gateway.images), checked by llmhost.gateway.mapping, which names the part.
+    content: str | list[dict[str, Any]] | None
     name: str | None = None
     # An assistant's tool calls, and the call a tool's result answers (OpenAI's).
     tool_calls: list[ToolCall] | None = None
@@ -135,6 +131,12 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    # vLLM's: the chat template's extra arguments (e.g. enable_thinking), how hard a
+    # reasoning model thinks (to the template, as reasoning_effort), and whether its
+    # thinking is sent.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: StrictBool | None = None
 
 
 # The most inputs one embeddings request may hold (OpenAI's own bound).

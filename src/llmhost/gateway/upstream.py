@@ -103,6 +103,8 @@ def socket_request(req: BackendRequest, request_id: str) -> bytes:
     inputs: dict[str, Any] = {name: value}
     inputs["sampling_parameters"] = json.dumps(req.sampling)
     inputs["stream"] = req.stream
+    if req.images:
+        inputs["image"] = req.images
     inputs.update(dict.fromkeys(backend_flags(req), True))
     params: dict[str, Any] = {"sparse_outputs": True, "embed": True} if req.embed else {"sparse_outputs": True}
     line = {"inputs": inputs, "parameters": params, "id": request_id}
@@ -141,6 +143,9 @@ def build_request(req: BackendRequest, request_id: str) -> Any:
     else:
         tensors.append((name, "BYTES", _bytes_tensor([value.encode("utf-8", "surrogatepass")]), 1))
     tensors.append(("sampling_parameters", "BYTES", _bytes_tensor([json.dumps(req.sampling).encode()]), 1))
+    if req.images:
+        pictures = [img.encode("ascii") for img in req.images if isinstance(img, str)]
+        tensors.append(("image", "BYTES", _bytes_tensor(pictures), len(pictures)))
     for name, flag in (("stream", req.stream), *((f, True) for f in backend_flags(req))):
         tensors.append((name, "BOOL", b"\x01" if flag else b"\x00", 1))
     for name, dtype, raw, size in tensors:
