@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,19 @@ def _gpg(home: Path, *args: str, data: bytes | None = None) -> bytes:
                           input=data, env=env, capture_output=True, check=True, timeout=120).stdout
 
 
-@pytest.mark.parametrize("algo", ["ed25519", "rsa2048"])
-def test_fingerprints_agree_with_gnupg(tmp_path: Path, algo: str):
+@pytest.fixture
+def gnupg_home(tmp_path: Path) -> Iterator[Path]:
+    """A GnuPG home of its own; the agent GnuPG starts for it is stopped afterwards."""
     home = tmp_path / "gnupg"
     home.mkdir(mode=0o700)
+    yield home
+    subprocess.run(["gpgconf", "--kill", "all"], env={**os.environ, "GNUPGHOME": str(home)},
+                   capture_output=True, timeout=30, check=False)
+
+
+@pytest.mark.parametrize("algo", ["ed25519", "rsa2048"])
+def test_fingerprints_agree_with_gnupg(gnupg_home: Path, algo: str):
+    home = gnupg_home
     _gpg(home, "--quick-generate-key", f"llmhost test {algo} <test@example.invalid>", algo, "sign", "1d")
     _gpg(home, "--quick-generate-key", "second key <second@example.invalid>", "ed25519", "sign", "1d")
     listing = _gpg(home, "--with-colons", "--fingerprint", "--list-keys").decode()
