@@ -13,6 +13,8 @@ DEMO_HTTP_PORT ?= 18000
 DEMO_GRPC_PORT ?= 18001
 DEMO_METRICS_PORT ?= 18002
 DEMO_MODEL ?= tiny
+# The embedding model beside it (inventory/demo.yml: the tiny model through vLLM's pooling runner).
+DEMO_EMBED_MODEL ?= embed
 DEMO_VARS ?= inventory/demo.yml
 DEMO_PLAYBOOK ?= site.yml
 DEMO_ANSIBLE_ARGS ?=
@@ -33,7 +35,7 @@ DEMO_PORT_VARS := {"triton_http_port": $(DEMO_HTTP_PORT), "triton_grpc_port": $(
 
 demo: demo-smoke
 	@echo
-	@echo "llmhost demo is up: host $(DEMO_NAME) (Debian 12, systemd), model '$(DEMO_MODEL)' on CPU"
+	@echo "llmhost demo is up: host $(DEMO_NAME) (Debian 12, systemd), models '$(DEMO_MODEL)' (chat, tools) and '$(DEMO_EMBED_MODEL)' (embeddings) on CPU"
 	@echo "  HTTP     $(DEMO_URL)   (ready: $(DEMO_URL)/v2/health/ready)"
 	@echo "  gRPC     127.0.0.1:$(DEMO_GRPC_PORT)"
 	@echo "  metrics  http://127.0.0.1:$(DEMO_METRICS_PORT)/metrics"
@@ -51,7 +53,11 @@ demo: demo-smoke
 	@echo "  curl -s $(DEMO_GATEWAY_URL)/chat/completions -H \"Authorization: Bearer \$$(cat $(DEMO_GATEWAY_KEY_FILE))\" \\"
 	@echo "    -H 'Content-Type: application/json' \\"
 	@echo "    -d '{\"model\": \"$(DEMO_MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"def fibonacci(n):\"}], \"max_tokens\": 32}'"
+	@echo "  curl -s $(DEMO_GATEWAY_URL)/embeddings -H \"Authorization: Bearer \$$(cat $(DEMO_GATEWAY_KEY_FILE))\" \\"
+	@echo "    -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"model\": \"$(DEMO_EMBED_MODEL)\", \"input\": [\"def fibonacci(n):\", \"hello world\"], \"encoding_format\": \"float\"}'"
 	@echo "  OpenAI clients: OPENAI_BASE_URL=$(DEMO_GATEWAY_URL) OPENAI_API_KEY=\$$(cat $(DEMO_GATEWAY_KEY_FILE))"
+	@echo "    python -c 'import openai; print(openai.OpenAI().embeddings.create(model=\"$(DEMO_EMBED_MODEL)\", input=[\"a\", \"b\"]).data[1].embedding[:4])'"
 	@echo
 	@echo "Stop it: make demo-down"
 
@@ -84,6 +90,11 @@ demo-smoke: demo-provision
 	  r = c.completions.create(model=sys.argv[3], prompt="def fibonacci(n):", max_tokens=8); \
 	  print("demo: the gateway at", sys.argv[1], "answered:", repr(r.choices[0].text))' \
 	  $(DEMO_GATEWAY_URL) $(DEMO_GATEWAY_KEY_FILE) $(DEMO_MODEL)
+	$(PY) -c 'import openai, pathlib, sys; \
+	  c = openai.OpenAI(base_url=sys.argv[1], api_key=pathlib.Path(sys.argv[2]).read_text().strip(), max_retries=0); \
+	  r = c.embeddings.create(model=sys.argv[3], input=["def fibonacci(n):", "hello world"]); \
+	  print("demo: embeddings from", sys.argv[3] + ":", [len(d.embedding) for d in r.data], "floats each")' \
+	  $(DEMO_GATEWAY_URL) $(DEMO_GATEWAY_KEY_FILE) $(DEMO_EMBED_MODEL)
 
 demo-down:
 	$(TESTHOST) down --name $(DEMO_NAME) --state $(DEMO_STATE_BASE)

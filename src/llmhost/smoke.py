@@ -2,7 +2,9 @@
 
 Checks, in order: server live, server ready, model ready, a non-streaming
 /generate, a streaming /generate_stream (SSE), a gRPC stream, and the vllm:
-metrics on Triton's /metrics. Used by operators after a deploy, by `make demo`,
+metrics on Triton's /metrics. An embedding model (vLLM's pooling runner) answers
+/generate with the prompt's embedding: its checks are that embedding and the
+metrics every model has (it streams nothing). Used by operators after a deploy, by `make demo`,
 by the system tests and (as a timer) by the monitoring stack.
 """
 
@@ -26,6 +28,8 @@ REQUIRED_METRICS = (
     "vllm:kv_cache_usage_perc",
     "nv_inference_request_success",
 )
+# What an embedding model exports (it generates no tokens).
+EMBEDDING_METRICS = ("vllm:num_requests_running", "nv_inference_request_success")
 
 
 @dataclass
@@ -80,6 +84,7 @@ class Smoke:
         self.model = model
         self.max_tokens = max_tokens
         self.timeout = timeout_s
+        self.embedding = False  # the model answered with an embedding (a pooling model)
 
     def _get_ok(self, path: str) -> str:
         r = requests.get(f"{self.url}{path}", timeout=self.timeout)
@@ -96,6 +101,12 @@ class Smoke:
         data = r.json()
         if "error" in data:
             raise RuntimeError(data["error"])
+        if "embedding" in data and not data.get("text_output"):  # the backend also sends an empty text
+            vector = data["embedding"]
+            if not isinstance(vector, list) or not vector or not all(isinstance(v, float) for v in vector):
+                raise RuntimeError(f"expected an embedding (a list of floats), got {data!r:.200}")
+            self.embedding = True
+            return f"an embedding of {len(vector)} floats"
         n = int(data["num_output_tokens"])
         if n != self.max_tokens or not data.get("text_output"):
             raise RuntimeError(f"expected {self.max_tokens} tokens and text, got {n} tokens, {data!r:.200}")
@@ -160,7 +171,7 @@ class Smoke:
         r = requests.get(f"{self.metrics_url}/metrics", timeout=self.timeout)
         r.raise_for_status()
         names = series_for_model(r.text, self.model)
-        missing = [m for m in REQUIRED_METRICS if m not in names]
+        missing = [m for m in (EMBEDDING_METRICS if self.embedding else REQUIRED_METRICS) if m not in names]
         if missing:
             raise RuntimeError(f"missing on /metrics: {', '.join(missing)}")
         return f"{sum(1 for n in names if n.startswith('vllm:'))} vllm: series"
@@ -174,8 +185,9 @@ class Smoke:
         if not checks[-1].ok:
             return checks
         checks.append(_run("generate", self.generate))
-        checks.append(_run("generate_stream (SSE)", self.generate_stream))
-        if self.grpc_url:
+        if not self.embedding:
+            checks.append(_run("generate_stream (SSE)", self.generate_stream))
+        if self.grpc_url and not self.embedding:
             checks.append(_run("gRPC stream", self.grpc_stream))
         if self.metrics_url:
             # Metrics are pushed to Triton about once a second.

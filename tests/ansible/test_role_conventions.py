@@ -95,7 +95,10 @@ def test_demo_vars_are_known_variables() -> None:
         defaults.update(_defaults(role))
     demo = load_yaml(REPO / "inventory" / "demo.yml")
     assert demo["llmhost_profile"] == "cpu"
-    assert [m["source"] for m in demo["llmhost_models"]] == ["tiny"]
+    # Generated models only (no downloads): one that chats and calls tools, one that embeds.
+    assert [(m["source"], m["name"]) for m in demo["llmhost_models"]] == [("tiny", "tiny"), ("tiny", "embed")]
+    assert demo["llmhost_models"][0]["settings"]["tool_parser"] == "hermes"
+    assert demo["llmhost_models"][1]["engine_args"]["runner"] == "pooling"
     assert not sorted(set(demo) - set(defaults))
 
 

@@ -51,3 +51,59 @@ def test_smoke_cli_against_nothing_fails_and_writes_textfile(tmp_path):
                "--timeout", "2", "--textfile", str(path)])
     assert rc == 1
     assert 'llmhost_smoke_check_success{check="server live",model="m"} 0.0' in path.read_text()
+
+
+def _fake_triton(answer: dict[str, object], metrics: str):  # type: ignore[no-untyped-def]
+    """A server answering Triton's health, /generate with ANSWER and /metrics with METRICS."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            self._send(200, metrics.encode() if self.path == "/metrics" else b"")
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.paths.append(self.path)
+            self._send(200, json.dumps(answer).encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    Handler.paths = []  # type: ignore[attr-defined]
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, Handler
+
+
+@pytest.mark.parametrize(("answer", "ok"), [({"embedding": [0.5, -0.25]}, True),
+                                            ({"embedding": [0.5, -0.25], "text_output": ""}, True),
+                                            ({"embedding": []}, False), ({"embedding": ["x"]}, False)])
+def test_an_embedding_model_is_checked_by_its_embedding(answer, ok):
+    from llmhost.smoke import Smoke
+
+    metrics = ('vllm:num_requests_running{model="embed",version="1"} 0\n'
+               'nv_inference_request_success{model="embed",version="1"} 1\n')
+    srv, handler = _fake_triton(answer, metrics)
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        checks = Smoke(url, url, None, "embed", timeout_s=5).run()
+    finally:
+        srv.shutdown()
+    by_name = {c.name: c for c in checks}
+    assert by_name["generate"].ok is ok, by_name["generate"]
+    if ok:
+        assert by_name["generate"].detail == "an embedding of 2 floats"
+        # Nothing streamed: an embedding model answers once, and has no token metrics.
+        assert list(by_name) == ["server live", "server ready", "model ready", "generate", "metrics"]
+        assert by_name["metrics"].ok, by_name["metrics"]
+        assert handler.paths == ["/v2/models/embed/generate"]
+    else:
+        assert "expected an embedding" in by_name["generate"].detail
