@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from tests.harness.booted import BootedHost
 from tests.harness.net import free_port
 from tests.harness.paths import ROOT
@@ -25,6 +27,11 @@ CONVERGE_TIMEOUT_S = 2400
 # llmhost_metrics_bind_address of the converge: not 127.0.0.1, so the tests see
 # metrics and inference on addresses of their own (Linux routes all of 127/8 to lo).
 METRICS_ADDRESS = "127.0.0.2"
+# The booted hosts serve inventory/demo.yml's models but its embedding model (vLLM's
+# pooling runner): the fault tests bound the recovery of one engine on 2 shared cores.
+# `make demo` serves both; the embeddings path is tested in tests/e2e/test_embeddings.py.
+HOST_MODELS = [m for m in yaml.safe_load((ROOT / "inventory" / "demo.yml").read_text())["llmhost_models"]
+               if (m.get("engine_args") or {}).get("runner") != "pooling"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,7 @@ def converge(host: BootedHost, work: Path, groups: tuple[str, ...] = ("inference
         "prometheus_evaluation_interval": "5s",
         # Grafana cannot be installed here: the role renders its files into a staging dir.
         "grafana_enabled": False,
+        "llmhost_models": HOST_MODELS,
         **(overrides or {}),
     }
     extra_vars = work / "vars.json"

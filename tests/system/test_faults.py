@@ -31,7 +31,7 @@ import yaml
 from llmhost.smoke import parse_sse
 from tests.harness.booted import BootedHost
 from tests.harness.paths import ROOT
-from tests.system._converge import Converged, run_playbook
+from tests.system._converge import HOST_MODELS, Converged, run_playbook
 from tests.system._unit import MODEL, USER, endpoint, processes, props, shm_segments, unit_pids, wait_ready
 
 # Generous bounds that define the behaviour, not performance targets.
@@ -44,7 +44,7 @@ FAULTS_DIR = "/srv/llmhost-faults"  # scratch space in the host
 
 
 def _demo_models() -> list[dict[str, Any]]:
-    return list(yaml.safe_load((ROOT / "inventory" / "demo.yml").read_text())["llmhost_models"])
+    return [dict(m) for m in HOST_MODELS]
 
 
 def _vars(c: Converged, path: Path, **extra: Any) -> Path:

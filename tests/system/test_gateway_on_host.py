@@ -3,7 +3,7 @@ as its own nologin user, the OpenAI API with API keys in front of Triton (the
 official `openai` client gets a completion; no key: 401), the OpenAI API as
 applications use it against the demo's models (logprobs, tools and a tool-result
 turn, structured output, token-id prompts, echo, n, seed, stop_token_ids,
-max_completion_tokens, embeddings), its metrics scraped by
+max_completion_tokens), its metrics scraped by
 the host's Prometheus, a keys file that holds hashes only, and streams through the
 local Triton's engine sockets, which the gateway's group may use and nobody else.
 
@@ -171,11 +171,11 @@ def test_streams_go_through_the_engine_socket_only_the_gateway_may_use(converged
 
 
 # -- The OpenAI API as applications use it, with the official client --------------------
-# The host serves inventory/demo.yml's models, as `make demo` does: `tiny` (tool_parser
-# hermes) and `embed` (the pooling runner). The model is random: the tool call is forced
-# by name, where vLLM holds the arguments to the tool's schema.
+# The host serves inventory/demo.yml's chat model as `make demo` does: `tiny`, with
+# tool_parser hermes (the demo's embedding model is left out on the booted hosts:
+# tests/system/_converge.py). The model is random: the tool call is forced by name, where
+# vLLM holds the arguments to the tool's schema.
 
-EMBED_MODEL = "embed"
 PROMPT = "def fibonacci(n):"
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -302,17 +302,3 @@ def test_openai_stop_token_ids_and_max_completion_tokens(client, converged: Conv
     capped = client.chat.completions.create(model=MODEL, messages=_chat(), max_completion_tokens=3,
                                             extra_body={"ignore_eos": True})
     assert capped.usage.completion_tokens == 3 and capped.choices[0].finish_reason == "length", capped
-
-
-def test_openai_embeddings_of_two_inputs(client):
-    import math
-
-    assert EMBED_MODEL in [m.id for m in client.models.list()]
-    r = client.embeddings.create(model=EMBED_MODEL, input=[PROMPT, "hello world, a longer sentence to embed"])
-    assert [d.index for d in r.data] == [0, 1], r
-    a, b = (d.embedding for d in r.data)
-    assert len(a) == len(b) > 1 and a != b
-    assert math.isclose(math.fsum(x * x for x in a), 1.0, rel_tol=1e-2)  # normalized, as vLLM's
-    assert r.usage.prompt_tokens > 0
-    floats = client.embeddings.create(model=EMBED_MODEL, input=PROMPT, encoding_format="float")
-    assert floats.data[0].embedding == pytest.approx(a, abs=1e-2)

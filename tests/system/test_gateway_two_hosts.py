@@ -36,7 +36,15 @@ import requests
 
 from tests.harness.booted import NAME_PREFIX, BootedHost
 from tests.harness.net import free_port
-from tests.system._converge import METRICS_ADDRESS, Converged, changed_tasks, converge, recap, run_playbook
+from tests.system._converge import (
+    HOST_MODELS,
+    METRICS_ADDRESS,
+    Converged,
+    changed_tasks,
+    converge,
+    recap,
+    run_playbook,
+)
 
 MODEL = "tiny"
 READY_TIMEOUT_S = 300
@@ -241,7 +249,7 @@ def gateway_only(pair: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         extra.write_text(json.dumps({
             "gateway_port": port, "gateway_metrics_port": metrics_port, "gateway_demo_key_file": str(key_file),
             "llmhost_metrics_bind_address": METRICS_ADDRESS,
-            "node_exporter_web_listen_address": f"127.0.0.1:{node_port}"}))
+            "node_exporter_web_listen_address": f"127.0.0.1:{node_port}", "llmhost_models": HOST_MODELS}))
         args = ("--limit", host_c.name)
         first = run_playbook(inventory, extra, host_c.pip_vars_file, "site.yml", *args)
         assert first.returncode == 0, f"site.yml failed:\n{first.stdout[-8000:]}\n{first.stderr[-3000:]}"
