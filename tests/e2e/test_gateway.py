@@ -312,6 +312,8 @@ def test_streams_go_through_the_engine_socket_one_event_per_engine_step(gateway,
     sockets = [p.name for p in (server.engine_sockets / server.name).iterdir()]
     assert len(sockets) == 1 and sockets[0].startswith("1-") and sockets[0].endswith(".sock"), sockets
     lines = _gateway_series(gateway, "llmhost_gateway_upstream_transit_seconds_count")
+    tokens = _gateway_series(gateway, "llmhost_gateway_tokens_per_event_sum")
+    counted = _gateway_series(gateway, "llmhost_gateway_tokens_per_event_count")
     delays = server.metric("llmhost:response_delay_seconds_count")
     body = {"model": server.name, "prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{gateway.url}/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
@@ -319,18 +321,20 @@ def test_streams_go_through_the_engine_socket_one_event_per_engine_step(gateway,
         assert r.status_code == 200
         events = [json.loads(line[len("data: "):]) for line in r.iter_lines()
                   if line.startswith("data: {")]
-    assert len(events) == 16  # one event per engine step, each step one token on this model
-    # Every engine step came as its own line of the socket, and the gateway counted it.
-    assert _gateway_series(gateway, "llmhost_gateway_upstream_transit_seconds_count") == lines + 16
-    per_event = {line.split('le="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-                 for line in httpx.get(gateway.metrics, timeout=10).text.splitlines()
-                 if line.startswith("llmhost_gateway_tokens_per_event_bucket{")}
-    assert per_event["1.0"] >= 16 and per_event["1.0"] == per_event["+Inf"], per_event
+    # One event per engine step: each step one token on this model. vLLM hands over the
+    # steps its consumer has not taken yet as one output, so on a loaded machine a line
+    # may carry two; then there are fewer events, never more.
+    n = len(events)
+    assert 0 < n <= 16
+    # Every event came as its own line of the socket, and the gateway counted it.
+    assert _gateway_series(gateway, "llmhost_gateway_upstream_transit_seconds_count") == lines + n
+    assert _gateway_series(gateway, "llmhost_gateway_tokens_per_event_count") == counted + n
+    assert _gateway_series(gateway, "llmhost_gateway_tokens_per_event_sum") == tokens + 16
     # The backend's own stage: its responses' delay is counted as they leave (pushed periodically).
     deadline = time.monotonic() + 30
-    while server.metric("llmhost:response_delay_seconds_count") < delays + 16 and time.monotonic() < deadline:
+    while server.metric("llmhost:response_delay_seconds_count") < delays + n and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert server.metric("llmhost:response_delay_seconds_count") >= delays + 16
+    assert server.metric("llmhost:response_delay_seconds_count") >= delays + n
 
 
 # --- phase 2: native API, limits, access log, several upstreams, TLS, config, drain ---
