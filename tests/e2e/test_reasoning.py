@@ -136,6 +136,28 @@ def test_streamed_without_reasoning_matches_vllm_serve(ours, theirs):
     assert mine == streamed(theirs) and mine[0] == ""
 
 
+def test_hidden_thinking_sends_no_log_probabilities_as_vllm_serve(ours, theirs):
+    """Log probabilities would show the thinking's tokens: with include_reasoning false
+    vLLM's server sends none (whole or streamed), and neither does the gateway."""
+    kw = {**KW, "logprobs": True, "top_logprobs": 2}
+    shown = ours.chat.completions.create(**kw)
+    assert shown.choices[0].logprobs.content, shown  # asked for and sent while the thinking is shown
+    hide = {"include_reasoning": False}
+    mine, vllms = (c.chat.completions.create(**kw, extra_body=hide) for c in (ours, theirs))
+    assert vllms.choices[0].logprobs is None and mine.choices[0].logprobs is None, mine
+    assert mine.choices[0].message.content == vllms.choices[0].message.content
+
+    def streamed(client: openai.OpenAI) -> tuple[str, list[Any]]:
+        content, sent = "", []
+        for chunk in client.chat.completions.create(stream=True, **kw, extra_body=hide):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                sent += [choice.logprobs] if choice.logprobs is not None else []
+        return content, sent
+
+    assert streamed(ours) == streamed(theirs) == (vllms.choices[0].message.content or "", [])
+
+
 @pytest.mark.parametrize(("extra", "needle"), [
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),

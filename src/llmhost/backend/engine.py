@@ -626,7 +626,12 @@ class EngineRunner:
             counts = [0] * n
             reasons = [""] * n
             cumulative: list[float | None] = [None] * n
-            want_logprobs = job.return_logprobs and job.sampling.get("logprobs") is not None
+            # As vLLM's server: a chat that hides the thinking (include_reasoning false) on a
+            # model with a tool or reasoning parser gets no per-token log probabilities,
+            # whose token texts would show it.
+            hidden = (not job.include_reasoning and job.messages is not None and self._chat is not None
+                      and self._chat.parser_cls is not None)
+            want_logprobs = job.return_logprobs and job.sampling.get("logprobs") is not None and not hidden
             finished = False
             want_prompt = job.sampling.get("prompt_logprobs") is not None
             prompt_positions: list[Position] | None = None

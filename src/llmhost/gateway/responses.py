@@ -113,6 +113,9 @@ class Accumulator:
         self.num_input: int | None = None
         self.num_output = [0] * n
         self.logprobs: list[list[Position]] = [[] for _ in range(n)]
+        # Per choice: the backend withheld its log probabilities although they were
+        # asked for (a chat that hides the model's thinking: include_reasoning false).
+        self.withheld = [False] * n
         self.prompt_logprobs: str | None = None  # the backend's JSON, from the first piece with it
         # Per choice, its message as the model's parsers read it (content, reasoning,
         # tool_calls); None: its text is the content.
@@ -125,6 +128,8 @@ class Accumulator:
             self.reasons[i] = _finish(piece.finish_reasons, i) or self.reasons[i]
         added: list[list[Position]] = [[] for _ in self.logprobs]
         for i, raw in enumerate(piece.logprobs[:len(self.logprobs)]):
+            if raw is not None and raw.strip() == "null":
+                self.withheld[i] = True
             added[i] = positions(raw)
             self.logprobs[i] += added[i]
         for i, raw in enumerate(piece.messages[:len(self.messages)]):
@@ -142,8 +147,9 @@ class Accumulator:
         return added
 
 
-def _logprobs(req: BackendRequest, tokens: list[Position], offset: int = 0) -> dict[str, Any] | None:
-    if req.logprobs is None:
+def _logprobs(req: BackendRequest, tokens: list[Position], offset: int = 0,
+              withheld: bool = False) -> dict[str, Any] | None:
+    if req.logprobs is None or withheld:
         return None
     return chat_logprobs(tokens, req.logprobs) if req.chat else completion_logprobs(tokens, req.logprobs, offset)[0]
 
@@ -167,7 +173,7 @@ def completion_body(req: BackendRequest, acc: Accumulator, rid: str, created: in
     shown = vllm_prompt_logprobs(acc.prompt_logprobs) if req.prompt_logprobs else None
     if req.chat:
         choices: list[dict[str, Any]] = [
-            {"index": i, "message": _message(text, acc.messages[i]), "logprobs": _logprobs(req, acc.logprobs[i]),
+            {"index": i, "message": _message(text, acc.messages[i]), "logprobs": _logprobs(req, acc.logprobs[i], withheld=acc.withheld[i]),
              "finish_reason": acc.reasons[i]} for i, text in enumerate(acc.texts)]
         body: dict[str, Any] = {"id": rid, "object": "chat.completion"}
         if req.prompt_logprobs:
@@ -236,7 +242,8 @@ def _parsed_rounds(req: BackendRequest, piece: Piece, deltas: list[list[dict[str
     rounds: list[list[dict[str, Any]]] = [[] for _ in range(max((len(d) for d in deltas), default=0) or 1)]
     for i, said in enumerate(deltas):
         reason = None if finished[i] is not None else _finish(piece.finish_reasons, i)
-        lp = logprobs.of(added[i], i) if req.logprobs is not None and acc.num_output[i] > before[i] else None
+        grew = req.logprobs is not None and not acc.withheld[i] and acc.num_output[i] > before[i]
+        lp = logprobs.of(added[i], i) if grew else None
         if not said and reason is None and lp is None:
             continue
         said = said or [{}]
