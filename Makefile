@@ -10,6 +10,7 @@ PYTHON ?= python3
 
 help:
 	@echo "make demo       provision a local systemd container with site.yml and serve the tiny model"
+	@echo "make demo-check the OpenAI API against the demo as applications use it (logprobs, tools, embeddings)"
 	@echo "make demo-down  stop and remove the demo container"
 	@echo "make test       every test: lint, unit, e2e (real tritonserver + vLLM), system (booted host)"
 	@echo "make setup      create .venv (vLLM CPU, Triton, test tools)"

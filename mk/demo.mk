@@ -31,7 +31,7 @@ DEMO_GATEWAY_KEY_FILE ?= .cache/demo/gateway-api-key
 DEMO_GATEWAY_URL := http://127.0.0.1:$(DEMO_GATEWAY_PORT)/v1
 DEMO_PORT_VARS := {"triton_http_port": $(DEMO_HTTP_PORT), "triton_grpc_port": $(DEMO_GRPC_PORT), "triton_metrics_port": $(DEMO_METRICS_PORT), "prometheus_web_listen_address": "127.0.0.1:$(DEMO_PROMETHEUS_PORT)", "node_exporter_web_listen_address": "127.0.0.1:$(DEMO_NODE_EXPORTER_PORT)", "gateway_port": $(DEMO_GATEWAY_PORT), "gateway_metrics_port": $(DEMO_GATEWAY_METRICS_PORT), "gateway_demo_key_file": "$(abspath $(DEMO_GATEWAY_KEY_FILE))"}
 
-.PHONY: demo demo-host demo-provision demo-smoke demo-down demo-gateway-key
+.PHONY: demo demo-host demo-provision demo-smoke demo-check demo-down demo-gateway-key
 
 demo: demo-smoke
 	@echo
@@ -59,6 +59,7 @@ demo: demo-smoke
 	@echo "  OpenAI clients: OPENAI_BASE_URL=$(DEMO_GATEWAY_URL) OPENAI_API_KEY=\$$(cat $(DEMO_GATEWAY_KEY_FILE))"
 	@echo "    python -c 'import openai; print(openai.OpenAI().embeddings.create(model=\"$(DEMO_EMBED_MODEL)\", input=[\"a\", \"b\"]).data[1].embedding[:4])'"
 	@echo
+	@echo "Check what applications send (logprobs, tools, embeddings...): make demo-check"
 	@echo "Stop it: make demo-down"
 
 # Boot (or reuse) the host; its inventory and the pip variables land in $(DEMO_DIR).
@@ -95,6 +96,13 @@ demo-smoke: demo-provision
 	  r = c.embeddings.create(model=sys.argv[3], input=["def fibonacci(n):", "hello world"]); \
 	  print("demo: embeddings from", sys.argv[3] + ":", [len(d.embedding) for d in r.data], "floats each")' \
 	  $(DEMO_GATEWAY_URL) $(DEMO_GATEWAY_KEY_FILE) $(DEMO_EMBED_MODEL)
+
+# The OpenAI API as applications use it, against the running demo with the official
+# client (tests/harness/openai_checks.py): logprobs, tools, structured output, token-id
+# prompts, echo, n, seed, stop_token_ids, max_completion_tokens and embeddings.
+demo-check:
+	$(PY) -m tests.harness.openai_checks --base-url $(DEMO_GATEWAY_URL) --key-file $(DEMO_GATEWAY_KEY_FILE) \
+	  --triton-url $(DEMO_URL) --model $(DEMO_MODEL) --embed-model $(DEMO_EMBED_MODEL)
 
 demo-down:
 	$(TESTHOST) down --name $(DEMO_NAME) --state $(DEMO_STATE_BASE)

@@ -16,17 +16,9 @@ import pytest
 
 from tests.e2e.test_openai_parity import ENGINE_ARGS
 from tests.harness.gateway import openai_client
+from tests.harness.openai_checks import TIME, WEATHER
 from tests.harness.vllm_server import vllm_server
 
-# Small tools, strict (their arguments held to their schemas, as OpenAI's `strict`
-# asks): one of two words, or none, so a random model finishes them.
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.", "strict": True,
-    "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "strict": True,
-    "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

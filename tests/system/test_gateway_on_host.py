@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from llmhost.bench.promql import api
-from tests.e2e.test_tools import TIME, WEATHER
+from tests.harness import openai_checks
 from tests.system._converge import METRICS_ADDRESS, Converged
 from tests.system._unit import props
 
@@ -173,132 +173,23 @@ def test_streams_go_through_the_engine_socket_only_the_gateway_may_use(converged
 # -- The OpenAI API as applications use it, with the official client --------------------
 # The host serves inventory/demo.yml's chat model as `make demo` does: `tiny`, with
 # tool_parser hermes (the demo's embedding model is left out on the booted hosts:
-# tests/system/_converge.py). The model is random: the tool call is forced by name, where
-# vLLM holds the arguments to the tool's schema.
-
-PROMPT = "def fibonacci(n):"
-ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+# tests/system/_converge.py). The checks are tests/harness/openai_checks.py's, which
+# `make demo-check` runs against the demo.
 
 
 @pytest.fixture
-def client(converged: Converged):  # type: ignore[no-untyped-def]
+def target(converged: Converged):  # type: ignore[no-untyped-def]
     import openai
 
-    yield openai.OpenAI(base_url=_base(converged), api_key=_key(converged), timeout=180, max_retries=0)
+    client = openai.OpenAI(base_url=_base(converged), api_key=_key(converged), timeout=180, max_retries=0)
+    yield openai_checks.Target(client, MODEL, converged.triton_http)
     # Shown with a failure: what tritonserver logged of errors meanwhile.
     log = converged.host.exec("journalctl -u tritonserver --no-pager -o cat -n 300 | "
                               "grep -iE -A3 'error|dead|killed|traceback|exception' | tail -60").stdout
     print(f"\ntritonserver's journal (errors):\n{log}")
 
 
-def _chat(text: str = PROMPT) -> list[dict[str, str]]:
-    return [{"role": "user", "content": text}]
-
-
-def test_openai_logprobs_chat_streamed_and_completions(client):
-    chat = client.chat.completions.create(model=MODEL, messages=_chat(), max_tokens=4, temperature=0,
-                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
-    content = chat.choices[0].logprobs.content
-    assert len(content) == chat.usage.completion_tokens == 4, chat
-    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content), content
-    assert "".join(t.token for t in content) == chat.choices[0].message.content
-    streamed = []
-    for chunk in client.chat.completions.create(model=MODEL, messages=_chat(), max_tokens=4, temperature=0,
-                                                logprobs=True, top_logprobs=2, stream=True,
-                                                extra_body={"ignore_eos": True}):
-        for choice in chunk.choices:
-            streamed += choice.logprobs.content if choice.logprobs and choice.logprobs.content else []
-    assert [t.token for t in streamed] == [t.token for t in content]
-    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-3)
-    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
-                                     extra_body={"ignore_eos": True})
-    lp = done.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4, lp
-    assert "".join(lp.tokens) == done.choices[0].text and all(v <= 0 for v in lp.token_logprobs)
-
-
-def test_openai_named_tool_call_and_a_tool_result_turn(client):
-    # tool_choice "required" is compared with vllm serve in tests/e2e/test_tools.py; on this
-    # host the random model filled its 64 tokens without closing the call list.
-    choice = {"type": "function", "function": {"name": "get_weather"}}
-    first = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME],
-                                           tool_choice=choice, temperature=0, max_tokens=64)
-    calls = first.choices[0].message.tool_calls
-    assert calls, first
-    assert all(c.id and c.type == "function" and c.function.name == "get_weather" for c in calls), calls
-    for c in calls:
-        args = json.loads(c.function.arguments)
-        assert args["unit"] in ("celsius", "fahrenheit"), args
-    # The tool's result, back through the model's chat template.
-    turn = [*ASK_WEATHER,
-            {"role": "assistant", "content": None,
-             "tool_calls": [{"id": c.id, "type": "function",
-                             "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                            for c in calls]},
-            *({"role": "tool", "tool_call_id": c.id, "content": "sunny, 21 degrees"} for c in calls)]
-    answer = client.chat.completions.create(model=MODEL, messages=turn, tools=[WEATHER, TIME], tool_choice="none",
-                                            temperature=0, max_tokens=8)
-    assert answer.choices[0].finish_reason in ("stop", "length"), answer
-    assert answer.usage.prompt_tokens > first.usage.prompt_tokens  # the calls and results were in the prompt
-
-
-def test_openai_json_object_and_structured_choice(client):
-    obj = client.chat.completions.create(model=MODEL, messages=_chat("a JSON object, please"), max_tokens=64,
-                                         temperature=0, response_format={"type": "json_object"})
-    text = obj.choices[0].message.content
-    assert text.lstrip().startswith("{"), obj
-    if obj.choices[0].finish_reason == "stop":  # a random model may run out of tokens inside it
-        assert isinstance(json.loads(text), dict), text
-    choice = client.chat.completions.create(model=MODEL, messages=_chat("yes or no?"), max_tokens=8,
-                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
-    assert choice.choices[0].message.content in ("yes", "no"), choice
-
-
-def test_openai_token_id_prompts_and_echo(client):
-    ids = client.completions.create(model=MODEL, prompt=[11, 12, 13, 14], max_tokens=3, temperature=0,
-                                    extra_body={"ignore_eos": True})
-    assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens == 3, ids
-    two = client.completions.create(model=MODEL, prompt=[[11, 12, 13, 14], [21, 22]], max_tokens=3,
-                                    temperature=0, extra_body={"ignore_eos": True})
-    assert [c.index for c in two.choices] == [0, 1] and two.choices[0].text == ids.choices[0].text, two
-    echo = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True,
-                                     extra_body={"ignore_eos": True})
-    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
-                                      extra_body={"ignore_eos": True})
-    assert echo.choices[0].text == PROMPT + plain.choices[0].text, (echo, plain)
-
-
-def test_openai_n_streamed_and_a_fixed_seed(client):
-    texts: dict[int, str] = {}
-    reasons: dict[int, str] = {}
-    for chunk in client.chat.completions.create(model=MODEL, messages=_chat(), max_tokens=4, n=2, temperature=1.0,
-                                                stream=True, extra_body={"ignore_eos": True}):
-        for choice in chunk.choices:
-            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
-            if choice.finish_reason:
-                reasons[choice.index] = choice.finish_reason
-    assert set(texts) == {0, 1} and all(texts.values()) and reasons == {0: "length", 1: "length"}, (texts, reasons)
-
-    def seeded(seed: int) -> str:
-        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=seed,
-                                         extra_body={"ignore_eos": True}).choices[0].text
-
-    first = seeded(1234)
-    assert first and seeded(1234) == first
-
-
-def test_openai_stop_token_ids_and_max_completion_tokens(client, converged: Converged):
-    # The first token the model picks at temperature 0, by id (Triton's own door on the
-    # host's loopback, with log probabilities keyed by token id), as a stop token.
-    r = requests.post(f"{converged.triton_http}/v2/models/{MODEL}/generate", timeout=120,
-                      json={"text_input": PROMPT, "max_tokens": 1, "temperature": 0, "logprobs": 0,
-                            "return_logprobs": True, "exclude_input_in_output": True})
-    assert r.status_code == 200, r.text
-    first = [int(token) for position in json.loads(r.json()["logprobs"]) for token in position]
-    assert len(first) == 1, r.text
-    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
-                                        extra_body={"stop_token_ids": first})
-    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == "", stopped
-    capped = client.chat.completions.create(model=MODEL, messages=_chat(), max_completion_tokens=3,
-                                            extra_body={"ignore_eos": True})
-    assert capped.usage.completion_tokens == 3 and capped.choices[0].finish_reason == "length", capped
+@pytest.mark.parametrize("check", [c for c in openai_checks.CHECKS if c is not openai_checks.embeddings_of_two_inputs],
+                         ids=lambda c: c.__name__)
+def test_openai_api_as_applications_use_it(target, check):
+    print(f"\n{check.__name__}: {check(target)}")
