@@ -173,8 +173,9 @@ def completion_body(req: BackendRequest, acc: Accumulator, rid: str, created: in
     shown = vllm_prompt_logprobs(acc.prompt_logprobs) if req.prompt_logprobs else None
     if req.chat:
         choices: list[dict[str, Any]] = [
-            {"index": i, "message": _message(text, acc.messages[i]), "logprobs": _logprobs(req, acc.logprobs[i], withheld=acc.withheld[i]),
-             "finish_reason": acc.reasons[i]} for i, text in enumerate(acc.texts)]
+            {"index": i, "message": _message(text, acc.messages[i]),
+             "logprobs": _logprobs(req, acc.logprobs[i], withheld=acc.withheld[i]), "finish_reason": acc.reasons[i]}
+            for i, text in enumerate(acc.texts)]
         body: dict[str, Any] = {"id": rid, "object": "chat.completion"}
         if req.prompt_logprobs:
             body["prompt_logprobs"] = shown
