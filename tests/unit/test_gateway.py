@@ -45,10 +45,14 @@ def test_chat_maps_every_sampling_field():
     assert req.n == 2 and req.chat and not req.stream and req.user == "u"
 
 
-def test_content_parts_are_joined_and_name_kept():
+def test_content_parts_go_to_the_backend_as_parts_and_name_kept():
+    # The backend joins them as the model's template wants (vLLM's rendering).
     raw = json.dumps({"model": "m", "messages": [
-        {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "s"}]})
-    assert _map(raw.encode()).messages == [{"role": "system", "content": "ab", "name": "s"}]
+        {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "s"},
+        {"role": "user", "content": []}]})
+    assert _map(raw.encode()).messages == [
+        {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "s"},
+        {"role": "user", "content": ""}]
 
 
 def test_completion_prompt_and_stream_options():

@@ -41,7 +41,8 @@ def test_data_urls_go_to_the_image_input_in_order():
                                       {"type": "text", "text": "this?"},
                                       _image(f"data:image/gif;base64,{other}", detail="low")), chat=True))
     assert req.images == [PNG, other]
-    assert req.messages == [{"role": "user", "content": "what is this?"}]
+    assert req.messages == [{"role": "user", "content": [
+        {"type": "text", "text": "what is "}, {"type": "image"}, {"type": "text", "text": "this?"}, {"type": "image"}]}]
     line = json.loads(socket_request(req, "r1"))
     assert line["inputs"]["image"] == [PNG, other]
     grpc = build_request(req, "r1")

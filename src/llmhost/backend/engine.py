@@ -25,7 +25,14 @@ from llmhost.backend.images import no_images_here
 from llmhost.backend.lora import find_adapter, lora_request
 from llmhost.backend.metrics import ServingMetrics
 from llmhost.backend.outputs import Position, position, positions
-from llmhost.backend.prompts import UTF8_MAX_BYTES, PromptEncoder, derived_prompt_bytes, longest_token_chars
+from llmhost.backend.prompts import (
+    UTF8_MAX_BYTES,
+    ContentRendering,
+    PromptEncoder,
+    content_rendering,
+    derived_prompt_bytes,
+    longest_token_chars,
+)
 from llmhost.backend.replies import ChatParsing
 from llmhost.backend.request import GenerateJob, RequestLimits, client_label
 from llmhost.backend.watchdog import (
@@ -202,6 +209,7 @@ class EngineRunner:
         self._stop: asyncio.Event | None = None
         self._encoder: PromptEncoder | None = None  # made on the engine loop at the first request
         self._multimodal = False  # vLLM's model config says the model takes images
+        self._rendering = ContentRendering()  # how contents given as parts reach the chat template
         self._pooling = False  # vLLM's model config says the model pools (embeddings), not generates
         self._architectures: list[str] = []  # the model's, as vLLM's model config names them
         self._chat: ChatParsing | None = None  # the model's tool and reasoning parsers (replies.py)
@@ -292,6 +300,7 @@ class EngineRunner:
             self._architectures = [str(a) for a in getattr(self._engine.model_config, "architectures", None) or []]
             self._chat = ChatParsing(self._tokenizer, self._engine.model_config, self.config.settings.tool_parser,
                                      str(self.config.engine_args.get("reasoning_parser") or ""))
+            self._rendering = content_rendering(self._tokenizer, self._engine.model_config, self._multimodal)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             failure.append(exc)
             if self._engine is not None:  # built, then something after failed: no EngineCore left behind
@@ -501,7 +510,7 @@ class EngineRunner:
         """Token ids of the job's prompt, tokenized (and templated) on the worker pool."""
         if self._encoder is None:
             self._encoder = PromptEncoder(self._tokenizer, self._max_model_len,
-                                          self.config.settings.tokenizer_threads)
+                                          self.config.settings.tokenizer_threads, self._rendering)
         return await self._encoder.encode(job)
 
     async def _prompt(self, job: GenerateJob) -> tuple[dict[str, Any], int]:

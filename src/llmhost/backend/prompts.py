@@ -16,6 +16,7 @@ import copy
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from llmhost.backend.errors import RequestError, safe_message
@@ -69,6 +70,71 @@ def template_kwargs(tokenizer: Any, job: GenerateJob) -> dict[str, Any]:
     except ValueError as exc:
         raise RequestError(safe_message(f"'chat_template_kwargs': {exc}")) from None
     return {k: v for k, v in known.items() if k not in _CALL_ARGUMENTS}
+
+
+@dataclass(frozen=True)
+class ContentRendering:
+    """How a chat's contents given as parts reach the model's template, as vLLM's server
+    renders them: ``openai`` templates take the parts themselves (text, and an image
+    part per picture); ``string`` templates take one text, the parts' texts joined by
+    newlines, with the model's image placeholder (e.g. LLaVA's ``<image>``) put first
+    for each picture the text does not already hold. PLACEHOLDER gives the i-th picture's
+    placeholder (1-based over the chat), None where the model needs none."""
+
+    content_format: str = "string"
+    placeholder: Callable[[int], str | None] | None = None
+
+
+def content_rendering(tokenizer: Any, model_config: Any, multimodal: bool) -> ContentRendering:
+    """The model's ContentRendering as vLLM's server finds it: the content format its chat
+    template takes (vLLM's detection, "string" where it cannot tell) and, for a model that
+    takes images, the model class's image placeholder."""
+    from vllm.renderers.hf import resolve_chat_template_content_format
+
+    try:
+        content_format = str(resolve_chat_template_content_format(None, None, "auto", tokenizer,
+                                                                  model_config=model_config))
+    except Exception:  # noqa: BLE001 - no chat template to read (a model for prompts only)
+        content_format = "string"
+    if not multimodal:
+        return ContentRendering(content_format)
+    from vllm.model_executor.model_loader import get_model_cls
+
+    model_cls = get_model_cls(model_config)
+    return ContentRendering(content_format, lambda i: model_cls.get_placeholder_str("image", i))
+
+
+def render_contents(messages: list[dict[str, Any]], rendering: ContentRendering) -> list[dict[str, Any]]:
+    """MESSAGES with each content given as parts rendered as RENDERING says (vLLM's own
+    placement of the placeholders); messages with string contents are kept as they are."""
+    if not any(isinstance(m.get("content"), list) for m in messages):
+        return messages
+    from vllm.renderers.chat_utils import _get_full_multimodal_text_prompt
+
+    out: list[dict[str, Any]] = []
+    seen = 0
+    for m in messages:
+        parts = m.get("content")
+        if not isinstance(parts, list):
+            out.append(m)
+            continue
+        holders: list[str] = []
+        for part in parts:
+            if part["type"] == "image":
+                seen += 1
+                if rendering.placeholder is not None and (holder := rendering.placeholder(seen)) is not None:
+                    holders.append(holder)
+        if rendering.content_format == "openai":
+            out.append({**m, "content": [dict(part) for part in parts]})
+            continue
+        texts = [part["text"] for part in parts if part["type"] == "text"]
+        try:
+            text = (_get_full_multimodal_text_prompt({"image": holders}, texts, interleave_strings=False)
+                    if holders else "\n".join(texts))
+        except Exception as exc:  # noqa: BLE001 - vLLM's VLLMValidationError: more placeholders than pictures
+            raise RequestError(safe_message(f"'messages': {exc}")) from None
+        out.append({**m, "content": text})
+    return out
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -128,8 +194,10 @@ def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) ->
 class PromptEncoder:
     """Token ids for a job's prompt or messages, computed on the worker pool."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, threads: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, threads: int,
+                 rendering: ContentRendering | None = None) -> None:
         self.max_model_len = max_model_len
+        self.rendering = rendering or ContentRendering()
         self._original = tokenizer
         self._local = threading.local()
         self._pool = WorkerPool(threads, "llmhost-tokenize")
@@ -178,7 +246,8 @@ class PromptEncoder:
             try:
                 tools = {"tools": job.tools} if job.tools else {}
                 extra = template_kwargs(tok, job)
-                text = tok.apply_chat_template(template_messages(job.messages), tokenize=False,
+                messages = template_messages(render_contents(job.messages, self.rendering))
+                text = tok.apply_chat_template(messages, tokenize=False,
                                                add_generation_prompt=True, **tools, **extra)
             except RequestError:
                 raise

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmhost.backend.errors import RequestError, safe_message
-from llmhost.backend.request import GenerateJob
+from llmhost.backend.request import GenerateJob, content_text
 
 # The served model name vLLM's request object needs; nothing reads it here.
 _MODEL = "llmhost"
@@ -87,7 +87,10 @@ class ChatParsing:
         """vLLM's ChatCompletionRequest for the job's chat, tools and structured output."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        body: dict[str, Any] = {"model": _MODEL, "messages": job.messages}
+        # The parsers read the tools and switches, not the contents: parts as their text.
+        messages = [{**m, "content": content_text(m["content"])} if isinstance(m.get("content"), list) else m
+                    for m in job.messages or ()]
+        body: dict[str, Any] = {"model": _MODEL, "messages": messages}
         if job.tools is not None:
             body["tools"] = job.tools
         if job.tool_choice is not None:

@@ -42,6 +42,9 @@ BOOL_INPUTS = (STREAM, EXCLUDE_INPUT, *RETURN_FLAGS)
 MAX_MESSAGES = 1024
 # A chat message's keys: OpenAI's, with an assistant's tool calls and a tool result's id.
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
+# A content given as parts (OpenAI's list form): text, and the place of one picture of
+# the 'image' input (in order), whose placeholder the model's chat rendering puts in.
+CONTENT_PART_TYPES = ("text", "image")
 # OpenAI's tool fields, taken from the request's parameters (sampling_parameters or
 # request parameters) for a chat: the tools the model may call, which it must call,
 # and whether it may call several at once.
@@ -231,21 +234,52 @@ def parse_messages(text: str) -> list[dict[str, Any]]:
             msg["tool_calls"] = _tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
         if content is None and msg.get("tool_calls"):
             pass  # an assistant turn that only called tools
+        elif isinstance(content, list):
+            _content_parts(content, f"messages[{i}].content")
         elif not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+            raise RequestError(f"messages[{i}].content must be a string or a list of parts, got "
+                               f"{type(content).__name__}")
         for key in ("name", "tool_call_id"):
             if key in msg and not isinstance(msg[key], str):
                 raise RequestError(f"messages[{i}].{key} must be a string, got {type(msg[key]).__name__}")
         for key in ("content", "name", "tool_call_id"):
             try:
-                (msg.get(key) or "").encode("utf-8")
+                content_text(msg.get(key)).encode("utf-8")
             except UnicodeEncodeError as exc:
                 raise RequestError(f"messages[{i}].{key} is not valid Unicode: a lone surrogate at "
                                    f"position {exc.start}") from None
         out.append({k: v for k, v in msg.items()})
-    if all(not (m["content"] or "").strip() and not m.get("tool_calls") for m in out):
+    if all(not content_text(m["content"]).strip() and not m.get("tool_calls") and not image_parts(m["content"])
+           for m in out):
         raise RequestError("input 'messages' has no content: every message is empty")
     return out
+
+
+def _content_parts(parts: list[Any], where: str) -> None:
+    for j, part in enumerate(parts):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise RequestError(f"{at} must be an object with 'type', got {type(part).__name__}")
+        kind = part.get("type")
+        if kind not in CONTENT_PART_TYPES:
+            raise RequestError(f"{at}.type must be one of {list(CONTENT_PART_TYPES)}, got {str(kind)[:32]!r}")
+        allowed = {"type", "text"} if kind == "text" else {"type"}
+        if extra := sorted(set(part) - allowed):
+            raise RequestError(f"{at} has unknown key(s) {extra}; a {kind} part has {sorted(allowed)}")
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise RequestError(f"{at}.text must be a string")
+
+
+def content_text(content: str | list[dict[str, Any]] | None) -> str:
+    """A message content's text: the string, or its text parts joined (for sizes and checks)."""
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content if part.get("type") == "text")
+    return content or ""
+
+
+def image_parts(content: str | list[dict[str, Any]] | None) -> int:
+    """How many pictures a message content places (its image parts)."""
+    return sum(1 for part in content if part.get("type") == "image") if isinstance(content, list) else 0
 
 
 def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
@@ -365,7 +399,7 @@ def _parameters_too_big(size: int) -> RequestError:
 
 
 def _message_bytes(messages: list[dict[str, Any]]) -> int:
-    return sum(len((m["content"] or "").encode("utf-8", "surrogatepass")) for m in messages)
+    return sum(len(content_text(m["content"]).encode("utf-8", "surrogatepass")) for m in messages)
 
 
 def parse_request(
@@ -436,6 +470,10 @@ def parse_request(
             (INCLUDE_REASONING, include_reasoning)) if value is not None), None)):
         raise RequestError(f"'{asked}' is for a chat: give 'messages', not a prompt")
     images = parse_images(inputs[IMAGE]) if inputs.get(IMAGE) is not None else []
+    placed = sum(image_parts(m["content"]) for m in messages or ())
+    if placed and placed != len(images):
+        raise RequestError(f"input 'messages' places {placed} picture(s) (image parts) and input '{IMAGE}' holds "
+                           f"{len(images)}: give one picture per image part, in order")
     sampling = validate_sampling(params, settings, limits.max_model_len if limits is not None else None)
     return GenerateJob(
         prompt=prompt,

@@ -31,7 +31,7 @@ from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json
 from llmhost.gateway.images import fetch_images
 from llmhost.gateway.keys import KeyStore
 from llmhost.gateway.limits import KeyLimiter
-from llmhost.gateway.mapping import BackendRequest, parse_body, parse_embeddings, to_backend
+from llmhost.gateway.mapping import BackendRequest, message_text, parse_body, parse_embeddings, to_backend
 from llmhost.gateway.native import NativeApi
 from llmhost.gateway.pool import PoolSettings, UpstreamPool
 from llmhost.gateway.record import Observer, RequestMiddleware, RequestRecord, record_of
@@ -103,7 +103,7 @@ def _text_tokens(prompt: str | list[int] | None) -> int:
 def _prompt_estimate(req: BackendRequest) -> int:
     """The prompt tokens a request will likely use, before a tokenizer has seen it."""
     if req.messages is not None:
-        prompts: list[Any] = ["".join(m.get("content", "") for m in req.messages)]
+        prompts: list[Any] = ["".join(message_text(m.get("content")) for m in req.messages)]
     else:
         prompts = req.batch or [req.prompt_token_ids if req.prompt_token_ids is not None else req.text_input]
     return sum(_text_tokens(p) for p in prompts)

@@ -218,13 +218,16 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _content(content: str | list[Any] | None, where: str, images: list[str | RemoteImage]) -> str:
-    """A message's text; its image_url parts' pictures go to IMAGES, in order."""
+def _content(content: str | list[Any] | None, where: str,
+             images: list[str | RemoteImage]) -> str | list[dict[str, str]]:
+    """A message's content for the backend: its text, or its parts (text, and an image
+    part where each picture goes, which the backend renders as vLLM's server does); the
+    image_url parts' pictures go to IMAGES, in order."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts: list[str] = []
+    parts: list[dict[str, str]] = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         kind = part.get("type")
@@ -233,16 +236,24 @@ def _content(content: str | list[Any] | None, where: str, images: list[str | Rem
                 raise unsupported(f"{at}.{sorted(set(part) - {'type', 'text'})[0]}", "is not a known field")
             if not isinstance(part.get("text"), str):
                 raise invalid(f"'{at}.text' must be a string", f"{at}.text")
-            texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
         elif kind == "image_url":
             if len(images) >= MAX_IMAGES:
                 raise invalid(f"'{at}' is one image too many: at most {MAX_IMAGES} in one request", at)
             images.append(image_part(part, at))
+            parts.append({"type": "image"})
         elif isinstance(kind, str) and kind:
             raise unsupported(f"{at}.type", f"is {kind[:32]!r}; served content parts: text, image_url")
         else:
             raise invalid(f"missing required field '{at}.type'", f"{at}.type", "missing_required_parameter")
-    return "".join(texts)
+    return parts or ""  # no parts: an empty text, as vLLM's server reads it
+
+
+def message_text(content: str | list[dict[str, str]] | None) -> str:
+    """A backend message content's text: the string, or its text parts."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content)
+    return content or ""
 
 
 def _message(m: ChatMessage, i: int, images: list[str | RemoteImage]) -> dict[str, Any]:
