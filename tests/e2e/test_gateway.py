@@ -423,7 +423,7 @@ def test_access_log_has_a_json_line_per_request_without_key_or_prompt(gateway, c
 
 def test_a_second_gateway_from_a_config_file_with_tls_a_dead_upstream_and_a_drain(server, keys_file, tmp_path):
     """Also the gRPC path: this gateway has no engine sockets."""
-    from tests.unit._gateway_fakes import self_signed
+    from tests.harness.certs import self_signed
 
     cert, key = self_signed(tmp_path)
     trust = ssl.create_default_context(cafile=str(cert))

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 
 from llmhost.gateway.keys import hash_key
+from tests.harness.certs import self_signed
 from tests.harness.gateway import KEY, start_gateway, stop_gateway
 from tests.harness.net import free_port
-from tests.unit._gateway_fakes import self_signed
 
 
 def _served_certificate(port: int) -> str:

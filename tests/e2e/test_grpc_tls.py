@@ -6,7 +6,6 @@ process itself refuses a CA file that holds no certificate, naming the flag."""
 from __future__ import annotations
 
 import asyncio
-import datetime
 import ipaddress
 import os
 import socket
@@ -24,6 +23,7 @@ from llmhost.gateway.app import upstream_ca
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.upstream import Upstream, UpstreamDown
 from llmhost.server.layout import TritonInstall
+from tests.harness.certs import issue
 from tests.harness.net import free_port
 
 
@@ -38,47 +38,6 @@ def _host_address() -> str | None:
     return None if ipaddress.ip_address(address).is_loopback else address
 
 
-def _ca(folder: Path, name: str) -> tuple[Path, object, object]:
-    """A CA certificate (PEM file) and its key and certificate objects."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .sign(key, hashes.SHA256()))
-    path = folder / f"{name}.crt"
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return path, key, cert
-
-
-def _server_cert(folder: Path, ca_key: object, ca_cert: object, address: str) -> tuple[Path, Path]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, address)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key())  # type: ignore[attr-defined]
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(address))]), False)
-            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
-    cert_path, key_path = folder / "triton-grpc.crt", folder / "triton-grpc.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 class Tls:
     def __init__(self, target: str, ca: Path, other_ca: Path) -> None:
         self.target, self.ca, self.other_ca = target, ca, other_ca
@@ -90,9 +49,10 @@ def triton_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tls]:
     if address is None:
         pytest.skip("this machine has no address off loopback")
     work = tmp_path_factory.mktemp("grpc-tls")
-    ca, ca_key, ca_cert = _ca(work, "llmhost-grpc-ca")
-    other_ca, _, _ = _ca(work, "another-ca")
-    cert, key = _server_cert(work, ca_key, ca_cert, address)
+    ca = issue(work, "llmhost-grpc-ca", ca=True)
+    other_ca = issue(work, "another-ca", ca=True).cert_path
+    server = issue(work, "triton-grpc", address, issuer=ca)
+    cert, key = server.cert_path, server.key_path
     (work / "models").mkdir()
     triton = TritonInstall.from_pytriton()
     port = free_port()
@@ -111,7 +71,7 @@ def triton_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tls]:
         while "Started GRPCInferenceService" not in log.read_text(errors="replace"):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
             time.sleep(0.2)
-        yield Tls(f"{address}:{port}", ca, other_ca)
+        yield Tls(f"{address}:{port}", ca.cert_path, other_ca)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -161,7 +121,7 @@ def test_plaintext_or_another_ca_gets_no_answer(triton_tls: Tls):
 
 
 def test_loopback_upstreams_stay_plaintext(tmp_path: Path):
-    ca, _, _ = _ca(tmp_path, "ca")
+    ca = issue(tmp_path, "ca", ca=True).cert_path
     config = GatewayConfig(upstreams=["127.0.0.1:8001", "[::1]:8001", "10.0.0.12:8001"], models=["m"],
                            upstream_ca=ca)
     assert upstream_ca(config, "127.0.0.1:8001") is None and upstream_ca(config, "[::1]:8001") is None

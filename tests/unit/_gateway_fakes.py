@@ -116,28 +116,3 @@ def client(app: Any, key: str | None = KEY) -> httpx.AsyncClient:
 def make_app(upstream: Any, keys: KeyStore | None = None, **kw: Any) -> Any:
     config = kw.pop("config", None) or GatewayConfig(upstreams=["up:1"], models=["m"], max_body_bytes=4096)
     return create_app(config, keys or keystore(), upstream, **kw)
-
-
-def self_signed(folder: Any, host: str = "127.0.0.1") -> tuple[Any, Any]:
-    """A self-signed certificate for HOST and its key, as PEM files in FOLDER."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), False)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = folder / "gateway.crt", folder / "gateway.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path

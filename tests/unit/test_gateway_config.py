@@ -12,7 +12,8 @@ import pytest
 from llmhost.gateway import config as config_module
 from llmhost.gateway.cli import build_parser, check_loop, check_tls, run, settings, uvicorn_configs
 from llmhost.gateway.config import ConfigError, GatewayConfig, parse_config
-from tests.unit._gateway_fakes import KEY, self_signed
+from tests.harness.certs import self_signed
+from tests.unit._gateway_fakes import KEY
 
 
 def _docstring_example() -> str:
