@@ -57,6 +57,16 @@ def test_example_inventory_puts_the_gateway_in_front_of_loopback_triton() -> Non
     assert model["name"] == "qwen2.5-7b-instruct" and model["engine_args"]["tensor_parallel_size"] == 2
 
 
+def test_example_hub_models_are_pinned_to_a_commit() -> None:
+    """Every Hugging Face model of inventory/example.yml names a commit (40 hex digits),
+    which the preflight takes as pinned, not a branch a later download would move."""
+    hostvars = inventory_list("inventory/example.yml")["_meta"]["hostvars"]
+    hub = [m for v in hostvars.values() for m in v.get("llmhost_models") or [] if m.get("source") == "huggingface"]
+    assert hub, hostvars
+    for model in hub:
+        assert re.fullmatch(r"[0-9a-f]{40}", str(model.get("revision"))), model
+
+
 def test_the_repository_ships_no_group_or_host_vars() -> None:
     """Ansible ranks group_vars/all.yml beside an inventory or playbook above the group vars
     written in the inventory file: shipped there, the roles' defaults silently replaced them."""
