@@ -18,15 +18,30 @@ cumulative_logprob at temperature 0); the first again (the same answer); for LLa
 pictures with two placeholders, and the mismatches (two pictures, one placeholder; one
 picture, two placeholders); a file that is no picture (the named 400).
 
+Then the OpenAI door (openai_door): ``llmhost gateway`` in front of that server (its
+engine sockets, a key from a keys file) and, once it has stopped, ``vllm serve`` of the same
+model folder (same max_model_len, dtype and enforce_eager; gpu_memory_utilization 0.3 on a
+GPU) are asked the same chats with the official ``openai`` client (temperature 0, log
+probabilities, ignore_eos, 6 tokens): chat_cases (text and image_url parts; for LLaVA also
+a text holding ``<image>`` itself, two image parts, more placeholders than pictures; for
+BLIP-2 two image parts, over its limit of one). Each case's verdict (chat_verdict): both
+answered 200 with the same prompt_tokens, the same content and every token's log
+probability within 1e-3, or both refused with the same status.
+
 With the device kit (vLLM 0.20.2 on the image's transformers 5.17) LLaVA needs
 ``--fix-pixtral-import`` (fix_pixtral_import rewrites one import of the kit's vLLM), and
 the CLIP tower's weights are renamed as LLaVA checkpoints name them (clip_tower_names).
-``--device cpu`` serves BLIP-2 on CPU (a dry run of the checks; LLaVA needs torchvision).
+The backend renders content parts with ``vllm.renderers.chat_utils``, which vLLM 0.20.2
+has in ``vllm.entrypoints.chat_utils``: ``--fix-chat-utils-import`` (fix_chat_utils_import)
+adds the module to the kit's vLLM. ``--device cpu`` serves BLIP-2 on CPU (a dry run of the
+checks; LLaVA needs torchvision).
 
 Usage: python3 -m lab.gpu_image_check OUT.json [--work DIR] [--models llava,blip2]
-       [--fix-pixtral-import] [--device gpu|cpu] [--write-only]
-Writes OUT.json (versions, each check's request summary, response fields and verdict)
-and serve-NAME.log beside it; prints a summary; exits 1 if a check failed. The H100 run
+       [--fix-pixtral-import] [--fix-chat-utils-import] [--device gpu|cpu] [--write-only]
+       [--no-openai-door]
+Writes OUT.json (versions, each check's request summary, response fields and verdict,
+each chat's answers from both servers and its verdict) and serve-NAME.log, gateway.log
+and vllm-serve.log beside it; prints a summary; exits 1 if a check failed. The H100 run
 of 2026-11-25: tests/fixtures/gpu/h100-580.159.04-real/device-run-2026-11-25-images/
 (its test: tests/records/test_h100_image_input.py).
 """
@@ -53,6 +68,11 @@ from llmhost.tiny.vision import IMAGE_TOKEN, image_tokenizer, picture
 
 HTTP, GRPC, METRICS = 18600, 18601, 18602
 URL = f"http://127.0.0.1:{HTTP}"
+GATEWAY, GATEWAY_METRICS, VLLM_PORT = 18610, 18611, 18620
+GATEWAY_KEY = "gpu-image-check-key"
+MAX_MODEL_LEN = 2048
+# The OpenAI door's verdict: each token's log probability within this of vLLM's server's.
+LOGPROB_TOLERANCE = 1e-3
 LLAVA_MARKER = ".llmhost-tiny-llava.json"
 IMAGE_SIZE, PATCH = 32, 8
 # CLIP's patch features, the class token dropped ("default" strategy): what one
@@ -163,6 +183,35 @@ def fix_pixtral_import() -> str:
     return f"{path}: rewrote the modeling_pixtral import"
 
 
+CHAT_UTILS_SHIM = """# llmhost lab: vLLM 0.20.2 keeps this in vllm.entrypoints.chat_utils
+from vllm.entrypoints.chat_utils import _get_full_multimodal_text_prompt  # noqa: F401
+"""
+
+
+def fix_chat_utils_import() -> str:
+    """The backend takes vLLM's placement of image placeholders from
+    ``vllm.renderers.chat_utils`` (where vLLM 0.32 has it); vLLM 0.20.2 has the same
+    function in ``vllm.entrypoints.chat_utils`` and no such module, so a chat with content
+    parts fails there. Add the module to the installed vLLM (the device kit's copy),
+    re-exporting 0.20.2's function. Returns what was done."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return "vllm not found"
+    renderers = Path(spec.origin).parent / "renderers"
+    module = renderers / "chat_utils.py"
+    if not renderers.is_dir():
+        return f"{renderers}: no such package, left alone"
+    if module.exists():
+        return f"{module}: " + ("already added" if module.read_text() == CHAT_UTILS_SHIM else "exists, left alone")
+    source = (Path(spec.origin).parent / "entrypoints" / "chat_utils.py")
+    if "def _get_full_multimodal_text_prompt(" not in source.read_text():
+        return f"{source}: no _get_full_multimodal_text_prompt, left alone"
+    module.write_text(CHAT_UTILS_SHIM)
+    return f"{module}: added, re-exporting vllm.entrypoints.chat_utils._get_full_multimodal_text_prompt"
+
+
 # --- serving and asking ---------------------------------------------------------------------
 
 def http(method: str, path: str, body: Any = None, timeout: float = 60) -> tuple[int, dict[str, Any]]:
@@ -195,16 +244,29 @@ def wait(pred: Callable[[], bool], timeout_s: float, step: float = 0.5) -> float
 def serve(model: Path, name: str, work: Path, logfile: Path, device: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "llmhost.cli", "serve", "--device", device, "--model", str(model), "--name", name,
            "--http-port", str(HTTP), "--grpc-port", str(GRPC), "--metrics-port", str(METRICS),
-           "--max-model-len", "2048", "--workdir", str(work), "--max-restarts", "0"]
+           "--max-model-len", str(MAX_MODEL_LEN), "--workdir", str(work), "--max-restarts", "0"]
     if device == "gpu":
+        # dtype as vllm_serve gives it (on CPU serve sets enforce_eager and bfloat16 itself).
         cmd += ["--kind", "KIND_GPU", "--engine-arg", "enforce_eager=true",
-                "--engine-arg", "gpu_memory_utilization=0.3"]
+                "--engine-arg", "gpu_memory_utilization=0.3", "--engine-arg", 'dtype="bfloat16"']
     return subprocess.Popen(cmd, stdout=logfile.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> int | None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> int | None:
+    """SIGTERM to PROC's whole session (vLLM's server and its engine process), SIGKILL
+    after 90 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
     try:
         return proc.wait(timeout=90)
     except subprocess.TimeoutExpired:
@@ -364,6 +426,164 @@ def run_checks(c: Checks, model: Path, placeholder: bool, image_tokens: int, red
     c.verdict(last, last["status"] == 200 and last["response"].get("text_output") == r["response"].get("text_output"))
 
 
+# --- the OpenAI door against vLLM's server ---------------------------------------------------
+
+def _text(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def _image(png_b64: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64}"}}
+
+
+def chat_cases(kind: str, red: str, blue: str) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(case, one user message's content parts) asked of both servers."""
+    question = QUESTION.lstrip("\n")
+    cases = [("parts_red", [_text("Look:"), _image(red), _text(question)]),
+             ("parts_blue", [_text("Look:"), _image(blue), _text(question)])]
+    if kind == "llava":
+        cases += [("placeholder_in_text", [_text(IMAGE_TOKEN + QUESTION), _image(red)]),
+                  ("two_image_parts", [_text("Look:"), _image(red), _image(blue), _text(question)]),
+                  ("more_placeholders_than_pictures", [_text(IMAGE_TOKEN * 2 + QUESTION), _image(red)])]
+    else:
+        cases += [("two_image_parts", [_text("Look:"), _image(red), _image(blue), _text(question)])]
+    return cases
+
+
+def chat_ask(client: Any, model: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    """One chat (temperature 0, log probabilities, ignore_eos, 6 tokens): its status and
+    usage, content and per-token log probabilities, or its error."""
+    import openai
+
+    t0 = time.monotonic()
+    try:
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                           max_tokens=6, temperature=0, logprobs=True,
+                                           extra_body={"ignore_eos": True})
+    except openai.APIStatusError as exc:
+        return {"status": exc.status_code, "error": str(exc.message)[:600], "seconds": round(time.monotonic() - t0, 3)}
+    except openai.APIError as exc:
+        return {"status": 0, "error": f"{type(exc).__name__}: {exc}"[:600],
+                "seconds": round(time.monotonic() - t0, 3)}
+    choice = r.choices[0]
+    tokens = choice.logprobs.content if choice.logprobs is not None and choice.logprobs.content else []
+    return {"status": 200, "prompt_tokens": r.usage.prompt_tokens if r.usage else None,
+            "completion_tokens": r.usage.completion_tokens if r.usage else None,
+            "content": choice.message.content, "finish_reason": choice.finish_reason,
+            "tokens": [t.token for t in tokens], "logprobs": [t.logprob for t in tokens],
+            "seconds": round(time.monotonic() - t0, 3)}
+
+
+def chat_verdict(ours: dict[str, Any], theirs: dict[str, Any], tol: float = LOGPROB_TOLERANCE) -> dict[str, Any]:
+    """Both 200 with the same prompt_tokens, content and log probabilities (each within
+    TOL), or both refused with the same status (a 4xx)."""
+    if ours.get("status") != 200 or theirs.get("status") != 200:
+        same = ours.get("status") == theirs.get("status")
+        return {"same_status": same, "passed": same and 400 <= int(ours.get("status") or 0) < 500}
+    a, b = ours.get("logprobs") or [], theirs.get("logprobs") or []
+    diff = max((abs(x - y) for x, y in zip(a, b, strict=False)), default=None)
+    facts = {"same_status": True, "same_prompt_tokens": ours.get("prompt_tokens") == theirs.get("prompt_tokens"),
+             "same_content": ours.get("content") == theirs.get("content"),
+             "same_token_count": len(a) == len(b) and len(a) > 0, "max_logprob_diff": diff}
+    facts["passed"] = bool(facts["same_prompt_tokens"] and facts["same_content"] and facts["same_token_count"]
+                           and diff is not None and diff <= tol)
+    return facts
+
+
+def _start(cmd: list[str], logfile: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    with logfile.open("ab") as out:
+        out.write(f"\n===== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
+        out.flush()
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def ask_side(label: str, cmd: list[str], logfile: Path, env: dict[str, str], ready_url: str, base: str,
+             key: str, timeout_s: float, kind: str, cases: list[tuple[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Start CMD (logging to LOGFILE), wait until READY_URL answers 200 (with KEY), ask each
+    case once through the `openai` client at BASE, stop it."""
+    import openai
+
+    proc = _start(cmd, logfile, env)
+    side: dict[str, Any] = {"command": cmd[2:], "answers": {}}
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            return True
+        req = urllib.request.Request(ready_url, headers={"Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    try:
+        took = wait(ready, timeout_s, 0.5)
+        side["ready_s"] = took if proc.poll() is None else None
+        if side["ready_s"] is None:
+            log(f"{kind} {label}: not ready (exit {proc.poll()}); see {logfile}")
+            return side
+        client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=120)
+        for case, content in cases:
+            side["answers"][case] = chat_ask(client, kind, content)
+            log(f"{kind} {label} {case}: {json.dumps(side['answers'][case])[:300]}")
+    finally:
+        side["exit"] = stop_group(proc)
+    return side
+
+
+def gateway_answers(kind: str, work: Path, out_dir: Path,
+                    cases: list[tuple[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """`llmhost gateway` in front of the running `llmhost serve` (its gRPC port and engine
+    sockets, as the role runs it), a key from a keys file; each case asked once."""
+    from llmhost.gateway.keys import hash_key
+
+    keys = work / "gateway-keys.yml"
+    keys.write_text(f"keys:\n  - name: check\n    sha256: {hash_key(GATEWAY_KEY)}\n")
+    base = f"http://127.0.0.1:{GATEWAY}/v1"
+    cmd = [sys.executable, "-m", "llmhost.cli", "gateway", "--upstream", f"127.0.0.1:{GRPC}",
+           "--listen", f"127.0.0.1:{GATEWAY}", "--metrics-listen", f"127.0.0.1:{GATEWAY_METRICS}",
+           "--keys-file", str(keys), "--model", kind,
+           "--engine-sockets", f"127.0.0.1:{GRPC}={work / f'serve-{kind}' / 'engine'}"]
+    return ask_side("gateway", cmd, out_dir / "gateway.log", {}, base + "/models", base, GATEWAY_KEY, 60, kind,
+                    cases)
+
+
+def vllm_answers(model: Path, kind: str, work: Path, out_dir: Path, device: str,
+                 cases: list[tuple[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """`vllm serve` of MODEL (vLLM's own OpenAI server) with serve()'s engine arguments;
+    each case asked once."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", kind, "--host", "127.0.0.1", "--port", str(VLLM_PORT),
+           "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16", "--enforce-eager"]
+    if device == "gpu":
+        cmd += ["--gpu-memory-utilization", "0.3"]
+    cache = work / f"vllm-{kind}"
+    cache.mkdir(parents=True, exist_ok=True)
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CACHE_ROOT": str(cache / "cache")}
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    url = f"http://127.0.0.1:{VLLM_PORT}"
+    return ask_side("vllm serve", cmd, out_dir / "vllm-serve.log", env, url + "/health", url + "/v1", "unused",
+                    420, kind, cases)
+
+
+def chat_comparison(cases: list[tuple[str, list[dict[str, Any]]]], ours: dict[str, Any],
+                    theirs: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per case: the request's parts (pictures named by size), both answers and the verdict."""
+    out = []
+    for case, content in cases:
+        a, b = ours["answers"].get(case, {"status": None}), theirs["answers"].get(case, {"status": None})
+        parts = [p if p["type"] == "text" else {"type": "image_url", "data_url_chars": len(p["image_url"]["url"])}
+                 for p in content]
+        rec = {"case": case, "parts": parts, "gateway": a, "vllm_serve": b, **chat_verdict(a, b)}
+        log(f"chat {case}: {'ok' if rec['passed'] else 'FAILED'} gateway {a.get('status')} "
+            f"{a.get('prompt_tokens')} {a.get('content')!r} / vllm serve {b.get('status')} {b.get('prompt_tokens')} "
+            f"{b.get('content')!r} max diff {rec.get('max_logprob_diff')}")
+        out.append(rec)
+    return out
+
+
 def versions() -> dict[str, str]:
     import torch
     import transformers
@@ -379,7 +599,8 @@ def versions() -> dict[str, str]:
             "gpu": gpu, "nvidia_smi": smi, "python": sys.version.split()[0]}
 
 
-def check_model(kind: str, work: Path, out_dir: Path, red: str, blue: str, device: str) -> dict[str, Any]:
+def check_model(kind: str, work: Path, out_dir: Path, red: str, blue: str, device: str,
+                openai_door: bool = True) -> dict[str, Any]:
     from llmhost.tiny.vision import QUERY_TOKENS, write_tiny_vision_model
 
     t0 = time.monotonic()
@@ -404,8 +625,19 @@ def check_model(kind: str, work: Path, out_dir: Path, red: str, blue: str, devic
         else:
             run_checks(c, path, False, QUERY_TOKENS, red, blue)
         result["checks"] = c.records
+        if openai_door:
+            cases = chat_cases(kind, red, blue)
+            ours = gateway_answers(kind, work, out_dir, cases)
     finally:
         result["serve_exit"] = stop(proc)
+    if openai_door:
+        # vLLM's server once ours has stopped: one server on the GPU at a time.
+        theirs = vllm_answers(path, kind, work, out_dir, device, cases)
+        result["openai_door"] = {
+            "gateway": {k: v for k, v in ours.items() if k != "answers"},
+            "vllm_serve": {k: v for k, v in theirs.items() if k != "answers"},
+            "logprob_tolerance": LOGPROB_TOLERANCE,
+            "chats": chat_comparison(cases, ours, theirs)}
     return result
 
 
@@ -417,6 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-only", action="store_true", help="write the models and stop (a CPU dry run)")
     p.add_argument("--fix-pixtral-import", action="store_true",
                    help="rewrite vLLM 0.20.2's pixtral.py import for transformers 5.17 first (fix_pixtral_import)")
+    p.add_argument("--fix-chat-utils-import", action="store_true",
+                   help="add vllm.renderers.chat_utils to vLLM 0.20.2 first (fix_chat_utils_import)")
+    p.add_argument("--no-openai-door", action="store_true", help="skip the gateway against vllm serve")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="cpu: a dry run (BLIP-2 only there)")
     args = p.parse_args(argv)
     out_dir = args.out.parent
@@ -432,9 +667,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     fixed = fix_pixtral_import() if args.fix_pixtral_import else "not asked"
     log(f"pixtral import: {fixed}")
+    chat_utils = fix_chat_utils_import() if args.fix_chat_utils_import else "not asked"
+    log(f"chat_utils import: {chat_utils}")
     red, blue = picture((200, 20, 20)), picture((20, 40, 220))
     record: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": args.device,
-                              "pixtral_import_fix": fixed,
+                              "pixtral_import_fix": fixed, "chat_utils_import_fix": chat_utils,
                               **versions(),
                               "pictures": {"red": "48x40 PNG (200,20,20), lighter square",
                                            "blue": "48x40 PNG (20,40,220), lighter square"},
@@ -442,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for kind in kinds:
         try:
-            record["models"][kind] = check_model(kind, args.work, out_dir, red, blue, args.device)
+            record["models"][kind] = check_model(kind, args.work, out_dir, red, blue, args.device,
+                                                 not args.no_openai_door)
         except Exception as exc:  # noqa: BLE001 - recorded, and the run fails
             record["models"][kind] = {"exception": f"{type(exc).__name__}: {exc}"}
             log(f"{kind}: exception {type(exc).__name__}: {exc}")
@@ -450,6 +688,8 @@ def main(argv: list[str] | None = None) -> int:
     record["seconds"] = round(time.monotonic() - t0, 1)
     failed = [f"{k}/{c['check']}" for k, m in record["models"].items()
               for c in m.get("checks", [{"check": "exception", "passed": False}]) if c.get("passed") is False]
+    failed += [f"{k}/openai/{c['case']}" for k, m in record["models"].items()
+               for c in m.get("openai_door", {}).get("chats", []) if not c["passed"]]
     record["failed"] = failed
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     log(f"done in {record['seconds']} s; {record['vllm']=} {record['gpu']=}; failed: {failed or 'none'}")
