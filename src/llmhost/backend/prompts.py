@@ -53,6 +53,16 @@ _CALL_ARGUMENTS = frozenset({"conversation", "tools", "tokenize", "padding", "tr
                              "add_generation_prompt", "continue_final_message"})
 
 
+def vllm_chat_utils() -> Any:
+    """vLLM's chat utilities: ``vllm.renderers.chat_utils``, or
+    ``vllm.entrypoints.chat_utils`` where releases before the renderers (0.20) keep them."""
+    try:
+        from vllm.renderers import chat_utils
+    except ImportError:
+        from vllm.entrypoints import chat_utils  # type: ignore[no-redef]
+    return chat_utils
+
+
 def template_kwargs(tokenizer: Any, job: GenerateJob) -> dict[str, Any]:
     """The job's extra chat template arguments (GenerateJob.template_kwargs) as vLLM's
     server passes them on: those the template or apply_chat_template knows (vLLM's
@@ -109,8 +119,7 @@ def render_contents(messages: list[dict[str, Any]], rendering: ContentRendering)
     placement of the placeholders); messages with string contents are kept as they are."""
     if not any(isinstance(m.get("content"), list) for m in messages):
         return messages
-    from vllm.renderers.chat_utils import _get_full_multimodal_text_prompt
-
+    full_text_prompt = vllm_chat_utils()._get_full_multimodal_text_prompt
     out: list[dict[str, Any]] = []
     seen = 0
     for m in messages:
@@ -129,7 +138,7 @@ def render_contents(messages: list[dict[str, Any]], rendering: ContentRendering)
             continue
         texts = [part["text"] for part in parts if part["type"] == "text"]
         try:
-            text = (_get_full_multimodal_text_prompt({"image": holders}, texts, interleave_strings=False)
+            text = (full_text_prompt({"image": holders}, texts, interleave_strings=False)
                     if holders else "\n".join(texts))
         except Exception as exc:  # noqa: BLE001 - vLLM's VLLMValidationError: more placeholders than pictures
             raise RequestError(safe_message(f"'messages': {exc}")) from None
@@ -142,10 +151,8 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     not JSON text (vLLM's own conversion, on a copy)."""
     if not any(m.get("tool_calls") for m in messages):
         return messages
-    from vllm.renderers.chat_utils import _postprocess_messages
-
     out = copy.deepcopy(messages)
-    _postprocess_messages(out)  # type: ignore[arg-type]
+    vllm_chat_utils()._postprocess_messages(out)
     return out
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmhost.backend.errors import RequestError, safe_message
+from llmhost.backend.prompts import vllm_chat_utils
 from llmhost.backend.request import GenerateJob, content_text
 
 # The served model name vLLM's request object needs; nothing reads it here.
@@ -198,8 +199,8 @@ class Replies:
         from vllm.entrypoints.generate.base.protocol import ToolCall
         from vllm.entrypoints.openai.chat_completion.protocol import ChatMessage
         from vllm.entrypoints.serve.utils.tool_calls_utils import maybe_filter_parallel_tool_calls
-        from vllm.renderers.chat_utils import make_tool_call_id
 
+        new_id = vllm_chat_utils().make_tool_call_id
         reasoning, content, calls = self.choices[i].parser.parse(
             text, self.request, enable_auto_tools=bool(self.parsing.tool_parser), model_output_token_ids=token_ids)
         if not self.request.include_reasoning:
@@ -208,9 +209,9 @@ class Replies:
         tool_calls: list[Any] = []
         if self.named or self.required:
             content = content or ""
-            tool_calls = [ToolCall(id=tc.id or make_tool_call_id(), function=tc) for tc in calls or []]
+            tool_calls = [ToolCall(id=tc.id or new_id(), function=tc) for tc in calls or []]
         elif auto and calls:
-            tool_calls = [ToolCall(id=tc.id or make_tool_call_id(), function=tc) for tc in calls]
+            tool_calls = [ToolCall(id=tc.id or new_id(), function=tc) for tc in calls]
         message = ChatMessage(role="assistant", reasoning=reasoning, content=content, tool_calls=tool_calls)
         message.tool_calls = maybe_filter_parallel_tool_calls(message.tool_calls, self.request)
         if (auto and calls) or (self.required and reason == "stop"):
