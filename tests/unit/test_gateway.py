@@ -69,6 +69,10 @@ def test_response_format_maps_to_the_backend_json_schema():
     assert _map(_chat(response_format={"type": "text"})).sampling == {}
 
 
+def test_max_completion_tokens_wins_over_max_tokens_as_in_vllm():
+    assert _map(_chat(max_tokens=3, max_completion_tokens=4)).sampling["max_tokens"] == 4
+
+
 @pytest.mark.parametrize(("body", "param", "status"), [
     (_chat(tools=[{"type": "function"}]), "tools[0].function", 400),
     (_chat(logprobs="yes"), "logprobs", 400),
@@ -83,7 +87,7 @@ def test_response_format_maps_to_the_backend_json_schema():
     (_chat(stream_options={"include_usage": True}), "stream_options", 400),
     (_chat(response_format={"type": "json_schema"}), "response_format.json_schema", 400),
     (_chat(response_format={"type": "xml"}), "response_format.type", 400),
-    (_chat(max_tokens=3, max_completion_tokens=4), "max_completion_tokens", 400),
+    (_chat(max_tokens=3, max_completion_tokens=0), "max_completion_tokens", 400),
     (_chat(stop_token_ids=[1, "2"]), "stop_token_ids[1]", 400),
     (_chat(skip_special_tokens="no"), "skip_special_tokens", 400),
     (_chat(structured_outputs="json"), "structured_outputs", 400),

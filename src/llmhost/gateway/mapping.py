@@ -177,12 +177,10 @@ def _structured(fmt: ResponseFormat | None) -> dict[str, Any]:
 
 
 def _max_tokens(req: ChatCompletionRequest | CompletionRequest, cap: int | None) -> int | None:
-    """The requested max_tokens, refused above the key's cap; the cap when none is asked."""
+    """The requested max_tokens, refused above the key's cap; the cap when none is asked.
+    A chat's max_completion_tokens wins over max_tokens, as in vLLM's server."""
     asked, name = req.max_tokens, "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        if asked is not None and asked != req.max_completion_tokens:
-            raise invalid("give max_tokens or max_completion_tokens, not two different values",
-                          "max_completion_tokens")
         asked, name = req.max_completion_tokens, "max_completion_tokens"
     if cap is not None and asked is not None and asked > cap:
         raise invalid(f"'{name}' is {asked}; this API key may ask for at most {cap}", name, "max_tokens_above_cap")
