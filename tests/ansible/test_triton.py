@@ -243,3 +243,28 @@ def test_argument_specs_document_the_metrics_bind_address() -> None:
     assert option["type"] == "str" and option["default"] == "127.0.0.1"
     defaults = load_yaml(REPO / "roles" / "llmhost" / "defaults" / "main.yml")
     assert defaults["llmhost_metrics_bind_address"] == "127.0.0.1"
+
+
+# -- the unit's environment ---------------------------------------------------------------
+
+
+def _environment(tmp_path: Path, variables: dict[str, Any]) -> dict[str, str]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    text = _render(tmp_path, "triton", str(REPO / "roles" / "triton" / "templates" / "tritonserver.env.j2"),
+                   {"llmhost_venv_dir": str(VENV), "llmhost_triton_dir": str(tmp_path / "llmhost"), **variables})
+    pairs = [line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#")]
+    return {key: json.loads(value) for key, value in pairs}
+
+
+def test_a_cpu_host_runs_torch_eagerly_unless_asked(tmp_path: Path) -> None:
+    """vLLM's sampler compiles its log-probability kernels with inductor, which needs a
+    C++ compiler: a CPU host without one would lose its engine on the first request with
+    `logprobs`, so the profile's default turns torch.compile off."""
+    cpu = _environment(tmp_path / "cpu", {})
+    assert cpu["TORCHDYNAMO_DISABLE"] == "1" and cpu["VLLM_TARGET_DEVICE"] == "cpu", cpu
+    assert "TORCHDYNAMO_DISABLE" not in _environment(tmp_path / "compile", {"triton_service_cpu_torch_compile": True})
+    gpu = _environment(tmp_path / "gpu", {"llmhost_profile": "gpu"})
+    assert "TORCHDYNAMO_DISABLE" not in gpu and "VLLM_TARGET_DEVICE" not in gpu, gpu
+    # The inventory's own environment still wins.
+    assert _environment(tmp_path / "mine", {"triton_service_environment": {"TORCHDYNAMO_DISABLE": "0"}}
+                        )["TORCHDYNAMO_DISABLE"] == "0"
