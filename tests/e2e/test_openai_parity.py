@@ -185,3 +185,81 @@ def test_several_prompts_match_vllm_serve_streamed_and_not(ours, theirs, server)
     assert finished == dict.fromkeys(range(6), "length")
     assert usage is not None and usage.completion_tokens == 6 * 5
     assert usage.prompt_tokens == mine.usage.prompt_tokens
+
+
+# -- Sampling and output fields, each as vLLM's server answers it --------------------------
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+CHAT_FIELDS: dict[str, dict[str, Any]] = {
+    "json_object": {"response_format": {"type": "json_object"}},
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}},
+    "structured_choice": {"extra_body": {"structured_outputs": {"choice": ["yes", "no", "maybe"]}}},
+    "structured_regex": {"extra_body": {"structured_outputs": {"regex": "[a-z]{3,8}"}}},
+    "structured_grammar": {"extra_body": {"structured_outputs": {"grammar": 'root ::= "up" | "down" | "left"'}}},
+    "max_completion_tokens": {"max_completion_tokens": 5, "extra_body": {"ignore_eos": True}},
+    "skip_special_tokens": {"extra_body": {"skip_special_tokens": False, "ignore_eos": True}},
+}
+
+
+@pytest.mark.parametrize("field", list(CHAT_FIELDS))
+def test_chat_fields_match_vllm_serve_streamed_and_not(ours, theirs, server, field):
+    kw: dict[str, Any] = {"model": server.name, "messages": [{"role": "user", "content": PROMPT}],
+                          "max_tokens": 12, "temperature": 0, "logprobs": True, **CHAT_FIELDS[field]}
+    mine, vllms = ours.chat.completions.create(**kw), theirs.chat.completions.create(**kw)
+    said = (mine.choices[0].message.content, mine.choices[0].finish_reason, mine.usage.completion_tokens)
+    assert said == (vllms.choices[0].message.content, vllms.choices[0].finish_reason,
+                    vllms.usage.completion_tokens), (said, vllms)
+    _same_chat_logprobs(mine.choices[0].logprobs.content, vllms.choices[0].logprobs.content)
+
+    def streamed(client: openai.OpenAI) -> tuple[str, str | None]:
+        text, reason = "", None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                reason = choice.finish_reason or reason
+        return text, reason
+
+    assert streamed(ours) == streamed(theirs) == (said[0] or "", said[1])
+
+
+def test_stop_token_ids_and_stop_strings_match_vllm_serve(ours, theirs, server):
+    kw: dict[str, Any] = {"model": server.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    free = theirs.completions.create(**kw, logprobs=0, extra_body={"return_tokens_as_token_ids": True,
+                                                                   "ignore_eos": True})
+    third = int(free.choices[0].logprobs.tokens[2].removeprefix("token_id:"))
+    cases = [{"extra_body": {"stop_token_ids": [third]}},
+             {"extra_body": {"stop_token_ids": [third], "include_stop_str_in_output": True}}]
+    text = theirs.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    if len(text) > 4:  # a stop string from the answer's own text, kept in the output or not
+        cases += [{"stop": [text[2:4]]}, {"stop": [text[2:4]], "extra_body": {"include_stop_str_in_output": True}}]
+    for case in cases:
+        mine, vllms = ours.completions.create(**kw, **case), theirs.completions.create(**kw, **case)
+        assert (mine.choices[0].text, mine.choices[0].finish_reason, mine.usage.completion_tokens) == (
+            vllms.choices[0].text, vllms.choices[0].finish_reason, vllms.usage.completion_tokens), (case, mine, vllms)
+        assert mine.choices[0].finish_reason == "stop", (case, mine)
+
+
+def test_n_streamed_and_a_seed_match_vllm_serve(ours, theirs, server):
+    kw: dict[str, Any] = {"model": server.name, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
+                          "n": 2, "extra_body": {"ignore_eos": True}}
+
+    def streamed(client: openai.OpenAI, **more: Any) -> dict[int, str]:
+        texts: dict[int, str] = {}
+        for chunk in client.chat.completions.create(stream=True, **kw, **more):
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        return texts
+
+    # Sampled with a seed: vLLM's per-request generators, the same on both servers.
+    seeded = streamed(ours, temperature=1.0, seed=1234)
+    assert seeded == streamed(theirs, temperature=1.0, seed=1234) and set(seeded) == {0, 1}, seeded
+    assert all(seeded.values()), seeded
+    # Greedy sampling takes one completion: both refuse n=2 at temperature 0.
+    for client in (ours, theirs):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**kw, temperature=0)
+        assert "greedy" in str(info.value), info.value
+    one = {"model": server.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 1234,
+           "extra_body": {"ignore_eos": True}}
+    assert ours.completions.create(**one).choices[0].text == theirs.completions.create(**one).choices[0].text
