@@ -99,3 +99,20 @@ def test_image_parts_and_pictures_must_match():
         job(_parts(IMAGE, IMAGE), 1)
     # Pictures with no image part: placed by the prompt's own placeholders, as before.
     assert len(job(_parts(TEXT_A), 1).images) == 1
+
+
+def test_vllm_chat_utilities_come_from_where_the_release_keeps_them(monkeypatch):
+    """vLLM 0.32 keeps its chat utilities in vllm.renderers.chat_utils; releases before
+    the renderers (0.20) in vllm.entrypoints.chat_utils, which is taken where the first is
+    missing."""
+    import sys
+    import types
+
+    from llmhost.backend.prompts import vllm_chat_utils
+
+    assert vllm_chat_utils().__name__ == "vllm.renderers.chat_utils"
+    older = types.ModuleType("vllm.entrypoints.chat_utils")
+    monkeypatch.setitem(sys.modules, "vllm.renderers.chat_utils", None)  # import now fails
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.chat_utils", older)
+    monkeypatch.delattr(sys.modules["vllm.renderers"], "chat_utils", raising=False)
+    assert vllm_chat_utils() is older
