@@ -133,3 +133,23 @@ def test_a_key_that_is_not_an_admin_key_fails_naming_the_refusal(gateway: Gatewa
     assert rc == 1 and "HTTP 403" in out["error"], out
     rc, out = _run(_request(_admin_file(tmp_path, f"http://127.0.0.1:{free_port()}"), "hold"))
     assert rc == 1 and "/admin/upstreams" in out["error"], out
+
+
+def test_a_hold_that_would_leave_nothing_in_service_is_refused(gateway: Gateway, tmp_path: Path):
+    """B is already held (a roll that failed there): holding A too would leave the gateway
+    nothing to send requests to, so the hold is refused and A keeps serving."""
+    admin_file = _admin_file(tmp_path, gateway.url)
+    gateway.run(gateway.pool.hold(gateway.pool.members[1], True))
+    rc, out = _run(_request(admin_file, "hold"))
+    assert rc == 1 and "no upstream in service" in out["error"] and f"{B} (held)" in out["error"], out
+    assert not gateway.pool.members[0].held
+    # Once B is back, A may be held.
+    gateway.run(gateway.pool.hold(gateway.pool.members[1], False))
+    rc, out = _run(_request(admin_file, "hold"))
+    assert rc == 0 and gateway.pool.members[0].held, out
+
+
+def test_a_gateway_of_the_rolled_host_alone_lets_it_be_held(gateway: Gateway, tmp_path: Path):
+    # Both upstreams are the rolled host's (no other to keep serving): held, as one host's roll must.
+    rc, out = _run(_request(_admin_file(tmp_path, gateway.url), "hold", ("10.0.0.1", "10.0.0.2")))
+    assert rc == 0 and out["targets"] == [A, B] and all(m.held for m in gateway.pool.members), out

@@ -10,6 +10,9 @@ lists (GET /admin/upstreams) as HOST:PORT with PORT and one of the ADDRESSES.
 
 ACTION is one of
 - hold: POST /admin/upstreams/{target}/hold for each (no new requests go there);
+  refused (exit 1) when the gateway has other upstreams and none of them is in service
+  and not held: the hold would leave it nothing to send requests to (e.g. a roll that
+  failed earlier left another host held);
 - drained: wait up to timeout_s until their requests in flight are 0; a wait that
   runs out is reported (drained: false), not an error: the host's own stop drains
   what is left;
@@ -89,6 +92,19 @@ def of(upstreams: list[dict[str, Any]], targets: list[str]) -> list[dict[str, An
     return [u for u in upstreams if u["target"] in targets]
 
 
+def check_others_serve(upstreams: list[dict[str, Any]], targets: list[str], url: str) -> None:
+    """Raise AdminError where holding TARGETS would leave the gateway at URL without an
+    upstream in service, while it has others (a gateway of one host has no other)."""
+    fresh = [u for u in of(upstreams, targets) if not u["held"]]
+    others = [u for u in upstreams if u["target"] not in targets]
+    if not fresh or not others or any(u["state"] == "in_service" and not u["held"] for u in others):
+        return
+    shown = ", ".join(f"{u['target']} ({'held' if u['held'] else u['state']})" for u in others)
+    raise AdminError(f"holding {', '.join(u['target'] for u in fresh)} would leave the gateway at {url} with no "
+                     f"upstream in service: the others are {shown}. Bring one of them back first (a roll that "
+                     "failed leaves its host held until its change passes), then roll again")
+
+
 def wait(admin: Admin, targets: list[str], done: Any, timeout_s: float) -> tuple[bool, list[dict[str, Any]], float]:
     """Poll until DONE(entries of TARGETS) or TIMEOUT_S: (done, last entries, seconds waited)."""
     start = time.monotonic()
@@ -117,6 +133,8 @@ def run(request: dict[str, Any], admin: Admin | None = None) -> dict[str, Any]:
     timeout_s = float(request.get("timeout_s", 0))
     if action in ("hold", "return"):
         held = action == "hold"
+        if held:
+            check_others_serve(upstreams, targets, admin.url)
         for entry in of(upstreams, targets):
             if entry["held"] != held:
                 upstreams = admin.set_held(entry["target"], held)
