@@ -27,7 +27,6 @@ from llmhost.backend.metrics import ServingMetrics
 from llmhost.backend.outputs import Position, position, positions
 from llmhost.backend.prompts import (
     UTF8_MAX_BYTES,
-    ContentRendering,
     PromptEncoder,
     content_rendering,
     derived_prompt_bytes,
@@ -209,7 +208,6 @@ class EngineRunner:
         self._stop: asyncio.Event | None = None
         self._encoder: PromptEncoder | None = None  # made on the engine loop at the first request
         self._multimodal = False  # vLLM's model config says the model takes images
-        self._rendering = ContentRendering()  # how contents given as parts reach the chat template
         self._pooling = False  # vLLM's model config says the model pools (embeddings), not generates
         self._architectures: list[str] = []  # the model's, as vLLM's model config names them
         self._chat: ChatParsing | None = None  # the model's tool and reasoning parsers (replies.py)
@@ -300,7 +298,6 @@ class EngineRunner:
             self._architectures = [str(a) for a in getattr(self._engine.model_config, "architectures", None) or []]
             self._chat = ChatParsing(self._tokenizer, self._engine.model_config, self.config.settings.tool_parser,
                                      str(self.config.engine_args.get("reasoning_parser") or ""))
-            self._rendering = content_rendering(self._tokenizer, self._engine.model_config, self._multimodal)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             failure.append(exc)
             if self._engine is not None:  # built, then something after failed: no EngineCore left behind
@@ -509,8 +506,10 @@ class EngineRunner:
     async def _prompt_ids(self, job: GenerateJob) -> list[int]:
         """Token ids of the job's prompt, tokenized (and templated) on the worker pool."""
         if self._encoder is None:
-            self._encoder = PromptEncoder(self._tokenizer, self._max_model_len,
-                                          self.config.settings.tokenizer_threads, self._rendering)
+            engine, multimodal = self._engine, self._multimodal
+            self._encoder = PromptEncoder(
+                self._tokenizer, self._max_model_len, self.config.settings.tokenizer_threads,
+                lambda: content_rendering(self._tokenizer, engine.model_config, multimodal))
         return await self._encoder.encode(job)
 
     async def _prompt(self, job: GenerateJob) -> tuple[dict[str, Any], int]:

@@ -202,9 +202,13 @@ class PromptEncoder:
     """Token ids for a job's prompt or messages, computed on the worker pool."""
 
     def __init__(self, tokenizer: Any, max_model_len: int, threads: int,
-                 rendering: ContentRendering | None = None) -> None:
+                 rendering: Callable[[], ContentRendering] | None = None) -> None:
         self.max_model_len = max_model_len
-        self.rendering = rendering or ContentRendering()
+        # Found on the first chat with contents given as parts (vLLM reads the model's
+        # chat template and class for it), not while the model loads.
+        self._find_rendering = rendering or ContentRendering
+        self._rendering: ContentRendering | None = None
+        self._rendering_lock = threading.Lock()
         self._original = tokenizer
         self._local = threading.local()
         self._pool = WorkerPool(threads, "llmhost-tokenize")
@@ -221,6 +225,13 @@ class PromptEncoder:
     async def images(self, blobs: list[bytes]) -> list[Any]:
         """The 'image' input's pictures opened (Pillow, RGB) on the worker pool."""
         return await self._pool.run(lambda: open_images(blobs))
+
+    def rendering(self) -> ContentRendering:
+        """How contents given as parts reach the chat template, found once."""
+        with self._rendering_lock:
+            if self._rendering is None:
+                self._rendering = self._find_rendering()
+            return self._rendering
 
     def close(self) -> None:
         self._pool.close()
@@ -253,7 +264,10 @@ class PromptEncoder:
             try:
                 tools = {"tools": job.tools} if job.tools else {}
                 extra = template_kwargs(tok, job)
-                messages = template_messages(render_contents(job.messages, self.rendering))
+                messages = job.messages
+                if any(isinstance(m.get("content"), list) for m in messages):
+                    messages = render_contents(messages, self.rendering())
+                messages = template_messages(messages)
                 text = tok.apply_chat_template(messages, tokenize=False,
                                                add_generation_prompt=True, **tools, **extra)
             except RequestError:
