@@ -31,41 +31,41 @@ TEXT_A, TEXT_B, IMAGE = {"type": "text", "text": "What is"}, {"type": "text", "t
 
 
 def test_text_parts_are_joined_by_newlines_for_a_string_template():
-    assert render_contents(_parts(TEXT_A, TEXT_B), ContentRendering()) == [
+    assert render_contents(_parts(TEXT_A, TEXT_B), lambda: ContentRendering()) == [
         {"role": "user", "content": "What is\nthis?"}]
 
 
 def test_the_placeholder_goes_first_for_each_picture():
-    assert render_contents(_parts(TEXT_A, IMAGE, TEXT_B), LLAVA)[0]["content"] == "<image>\nWhat is\nthis?"
-    two = render_contents([*_parts(IMAGE, TEXT_A), *_parts(IMAGE, IMAGE)], NUMBERED)
+    assert render_contents(_parts(TEXT_A, IMAGE, TEXT_B), lambda: LLAVA)[0]["content"] == "<image>\nWhat is\nthis?"
+    two = render_contents([*_parts(IMAGE, TEXT_A), *_parts(IMAGE, IMAGE)], lambda: NUMBERED)
     assert [m["content"] for m in two] == ["<|image_1|>\nWhat is", "<|image_2|>\n<|image_3|>"]
 
 
 def test_a_placeholder_the_text_already_holds_is_not_added_again():
     said = {"type": "text", "text": "Look: <image> what is it?"}
-    assert render_contents(_parts(said, IMAGE), LLAVA)[0]["content"] == "Look: <image> what is it?"
+    assert render_contents(_parts(said, IMAGE), lambda: LLAVA)[0]["content"] == "Look: <image> what is it?"
 
 
 def test_more_placeholders_in_the_text_than_pictures_is_a_request_error():
     said = {"type": "text", "text": "<image> and <image>"}
     with pytest.raises(RequestError, match="messages"):
-        render_contents(_parts(said, IMAGE), LLAVA)
+        render_contents(_parts(said, IMAGE), lambda: LLAVA)
 
 
 def test_a_model_without_a_placeholder_gets_the_text_alone():
-    assert render_contents(_parts(IMAGE, TEXT_A), BLIP2)[0]["content"] == "What is"
+    assert render_contents(_parts(IMAGE, TEXT_A), lambda: BLIP2)[0]["content"] == "What is"
 
 
 def test_a_template_that_takes_parts_gets_them():
     messages = [{"role": "system", "content": "be brief"}, *_parts(IMAGE, TEXT_A)]
-    out = render_contents(messages, ContentRendering("openai", lambda i: "<image>"))
+    out = render_contents(messages, lambda: ContentRendering("openai", lambda i: "<image>"))
     assert out == [{"role": "system", "content": "be brief"}, {"role": "user", "content": [IMAGE, TEXT_A]}]
     assert out[1]["content"] is not messages[1]["content"]  # a copy: the job's messages stay as given
 
 
 def test_string_contents_are_kept_as_they_are():
     messages = [{"role": "user", "content": "hi"}]
-    assert render_contents(messages, LLAVA) is messages
+    assert render_contents(messages, lambda: LLAVA) is messages
 
 
 def test_parse_messages_takes_text_and_image_parts():

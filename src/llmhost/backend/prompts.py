@@ -114,11 +114,14 @@ def content_rendering(tokenizer: Any, model_config: Any, multimodal: bool) -> Co
     return ContentRendering(content_format, lambda i: model_cls.get_placeholder_str("image", i))
 
 
-def render_contents(messages: list[dict[str, Any]], rendering: ContentRendering) -> list[dict[str, Any]]:
-    """MESSAGES with each content given as parts rendered as RENDERING says (vLLM's own
-    placement of the placeholders); messages with string contents are kept as they are."""
+def render_contents(messages: list[dict[str, Any]],
+                    find_rendering: Callable[[], ContentRendering]) -> list[dict[str, Any]]:
+    """MESSAGES with each content given as parts rendered as FIND_RENDERING's answer says
+    (vLLM's own placement of the placeholders), asked only when a content has parts;
+    messages with string contents are kept as they are."""
     if not any(isinstance(m.get("content"), list) for m in messages):
         return messages
+    rendering = find_rendering()
     full_text_prompt = vllm_chat_utils()._get_full_multimodal_text_prompt
     out: list[dict[str, Any]] = []
     seen = 0
@@ -264,10 +267,7 @@ class PromptEncoder:
             try:
                 tools = {"tools": job.tools} if job.tools else {}
                 extra = template_kwargs(tok, job)
-                messages = job.messages
-                if any(isinstance(m.get("content"), list) for m in messages):
-                    messages = render_contents(messages, self.rendering())
-                messages = template_messages(messages)
+                messages = template_messages(render_contents(job.messages, self.rendering))
                 text = tok.apply_chat_template(messages, tokenize=False,
                                                add_generation_prompt=True, **tools, **extra)
             except RequestError:
