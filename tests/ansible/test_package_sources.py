@@ -26,26 +26,46 @@ from tests.ansible._helpers import REPO, ROLES, ansible_playbook, load_yaml
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the role's tasks run as root")
 
 TASKS = ROLES / "python_env" / "tasks" / "llmhost.yml"
-FIRST_HOST_TASK = "Create the llmhost source directories"
+FIRST_HOST_TASK = "Read the digest of the installed llmhost sources"
 COPY_TASK = "Copy the llmhost sources"
 PACKAGE = REPO / "src" / "llmhost"
 
 
 def _tasks() -> list[dict]:
+    """The file's top-level tasks: the ones that choose the files come first."""
     tasks = load_yaml(TASKS)
     names = [t.get("name") for t in tasks]
-    assert FIRST_HOST_TASK in names and COPY_TASK in names, names
+    assert FIRST_HOST_TASK in names, names
     return tasks
+
+
+def _every_task(tasks: list[dict]) -> list[dict]:
+    """The tasks, those inside blocks included."""
+    return [inner for t in tasks for inner in ([t] if "block" not in t else _every_task(t["block"]))]
 
 
 def test_the_copy_task_copies_the_chosen_files_and_nothing_else():
     """What the fixture below relies on: one copy per listed file, to the same relative path."""
-    (copy,) = [t for t in _tasks() if t.get("name") == COPY_TASK]
+    every = _every_task(_tasks())
+    (copy,) = [t for t in every if t.get("name") == COPY_TASK]
     assert copy["loop"] == "{{ _python_env_src_files }}"
     assert copy["ansible.builtin.copy"]["src"] == "{{ llmhost_source_dir }}/{{ item }}"
     assert copy["ansible.builtin.copy"]["dest"] == "{{ _python_env_src_dir }}/{{ item }}"
-    copies = [t for t in _tasks() if "ansible.builtin.copy" in t and "src" in t["ansible.builtin.copy"]]
+    copies = [t for t in every if "ansible.builtin.copy" in t and "src" in t["ansible.builtin.copy"]]
     assert copies == [copy]
+
+
+def test_the_sources_are_copied_only_when_the_installed_build_is_not_the_checkouts():
+    """A converge whose installed build has the checkout's digest runs no task per file:
+    the copy sits in a block that runs only when the digest differs or llmhost is missing."""
+    tasks = _tasks()
+    (decide,) = [t for t in tasks if "_python_env_src_stale" in t.get("ansible.builtin.set_fact", {})]
+    rule = decide["ansible.builtin.set_fact"]["_python_env_src_stale"]
+    assert "_python_env_step_llmhost_missing" in rule and "!= _python_env_src_digest" in rule, rule
+    (block,) = [t for t in tasks if "block" in t and COPY_TASK in [b.get("name") for b in t["block"]]]
+    assert block["when"] == "_python_env_src_stale | bool"
+    names = [b.get("name") for b in block["block"]]
+    assert "Pip-install the llmhost sources" in names and "Record the digest of the installed sources" in names
 
 
 @pytest.fixture(scope="module")
