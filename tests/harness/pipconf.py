@@ -80,11 +80,28 @@ def pip_config() -> dict[str, Any]:
     }
 
 
+def local_index_files(url: str) -> str | None:
+    """The flat folder of files behind a local PEP 503 index (file:///x/simple -> /x/files), if any."""
+    parsed = urlparse(url)
+    if parsed.scheme != "file":
+        return None
+    tree = Path(unquote(parsed.path))
+    files = tree.parent / "files" if tree.name == "simple" else None
+    return str(files) if files is not None and files.is_dir() else None
+
+
 def pip_role_vars(cfg: dict[str, Any]) -> dict[str, Any]:
+    # The hash-locked install (python_env_requirements_lock) takes no extra index: a
+    # local index's own folder of files serves as find-links instead (the lock's hashes
+    # name the files). An extra index that has none leaves the lock out.
+    local = {u: local_index_files(u) for u in cfg["extra_index_urls"]}
+    extra = [u for u, files in local.items() if files is None]
     out: dict[str, Any] = {
-        "python_env_pip_find_links": cfg["find_links"],
-        "python_env_pip_extra_index_urls": cfg["extra_index_urls"],
+        "python_env_pip_find_links": cfg["find_links"] + [f for f in local.values() if f],
+        "python_env_pip_extra_index_urls": extra,
     }
+    if extra:
+        out["python_env_requirements_lock"] = ""
     if cfg["index_url"]:
         out["python_env_pip_index_url"] = cfg["index_url"]
     if cfg.get("cert"):
