@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.ansible._helpers import REPO, PlaybookRun, ansible_playbook
+from tests.ansible._helpers import REPO, PlaybookRun, ansible_playbook, load_yaml
 from tests.ansible.test_preflight import assert_fails_naming, preflight
 
 KEY = "k" * 12 + "-secret-demo-key"  # 28 characters
@@ -135,6 +137,8 @@ def _render(tmp_path: Path, extra: dict[str, Any]) -> PlaybookRun:
       loop:
         - {{src: keys.json.j2, dest: keys.json}}
         - {{src: llmhost-gateway.service.j2, dest: unit}}
+        - {{src: llmhost-gateway-tls.path.j2, dest: llmhost-gateway-tls.path}}
+        - {{src: llmhost-gateway-tls.service.j2, dest: llmhost-gateway-tls.service}}
       no_log: true
 """)
     extra = {"ansible_python_interpreter": "/usr/bin/python3", **extra}
@@ -166,7 +170,8 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
     unit = (tmp_path / "unit").read_text()
     for want in ("User=llmhost-gateway", "--listen [::]:18080", "--upstream 10.0.0.1:8001",
                  "--upstream [fd00::2]:8001", "--model tiny", "--model qwen", "--keys-file %d/keys.json",
-                 "LoadCredential=tls.key:/etc/ssl/gw.key", "--tls-cert %d/tls.crt --tls-key %d/tls.key",
+                 "--tls-cert /etc/ssl/llmhost-gateway/tls.crt --tls-key /etc/ssl/llmhost-gateway/tls.key",
+                 "\nExecReload=/bin/kill -HUP $MAINPID\n",
                  "--drain-timeout-s 40", "TimeoutStopSec=55", "--max-connections 900",
                  "--header-timeout-s 4", "--body-timeout-s 30", "--idle-timeout-s 5", "--key-max-concurrent 512",
                  "CPUWeight=1000",
@@ -175,6 +180,7 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
                  "ProcSubset=pid", "ProtectProc=invisible", "SystemCallFilter=@system-service", "UMask=0077",
                  "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "\nCapabilityBoundingSet=\n"):
         assert want in unit, want
+    assert "LoadCredential=tls" not in unit  # credentials are copied at start only: no reload
     assert "CPUAffinity" not in unit  # any CPU unless asked
     assert "--allow-plaintext" not in unit
     assert "upstream-ca" not in unit  # gRPC over TLS only with a CA
@@ -186,6 +192,74 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
     assert "  --allow-plaintext \\\n" in unit
     assert "\nCapabilityBoundingSet=CAP_NET_BIND_SERVICE\n" in unit
     assert "\nCPUAffinity=6-7,14\n" in unit
+    assert "ExecReload" not in unit and "--tls-cert" not in unit  # no TLS: nothing to reload
+
+
+def test_a_renewed_certificate_reaches_the_running_gateway_by_a_reload(tmp_path: Path) -> None:
+    """The .path unit watches both files of the pair; the oneshot it starts copies them into
+    the folder the gateway reads (key 0640 root:<the gateway's group>) and reloads the
+    gateway (SIGHUP), never restarts a stopped one; systemd-analyze verifies both units."""
+    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}), "gateway_group": "gw",
+                             "llmhost_models": [{"name": "tiny", "source": "tiny"}],
+                             "gateway_tls_cert_file": "/etc/letsencrypt/live/gw/fullchain.pem",
+                             "gateway_tls_key_file": "/etc/letsencrypt/live/gw/privkey.pem"})
+    assert run.rc == 0, run.output
+    path = (tmp_path / "llmhost-gateway-tls.path").read_text()
+    assert "\nPathChanged=/etc/letsencrypt/live/gw/fullchain.pem\n" in path
+    assert "\nPathChanged=/etc/letsencrypt/live/gw/privkey.pem\n" in path
+    assert "\nUnit=llmhost-gateway-tls.service\n" in path and "\nWantedBy=paths.target\n" in path
+    copy = (tmp_path / "llmhost-gateway-tls.service").read_text()
+    execs = [line for line in copy.splitlines() if line.startswith("ExecStart=")]
+    assert execs == [
+        "ExecStart=/usr/bin/install -o root -g gw -m 0644 /etc/letsencrypt/live/gw/fullchain.pem "
+        "/etc/ssl/llmhost-gateway/tls.crt",
+        "ExecStart=/usr/bin/install -o root -g gw -m 0640 /etc/letsencrypt/live/gw/privkey.pem "
+        "/etc/ssl/llmhost-gateway/tls.key",
+        "ExecStart=/bin/systemctl try-reload-or-restart llmhost-gateway.service",
+    ]
+    for want in ("\nType=oneshot\n", "\nProtectSystem=strict\n", "\nReadWritePaths=/etc/ssl/llmhost-gateway\n",
+                 "\nUMask=0077\n", "\nNoNewPrivileges=true\n"):
+        assert want in copy, want
+    unit = (tmp_path / "unit").read_text()
+    assert "--tls-cert /etc/ssl/llmhost-gateway/tls.crt --tls-key /etc/ssl/llmhost-gateway/tls.key" in unit
+    # The hardening stays: the folder is read under ProtectSystem=strict like the rest of /etc.
+    for want in ("\nProtectSystem=strict\n", "\nProtectHome=true\n", "\nPrivateTmp=true\n",
+                 "\nExecReload=/bin/kill -HUP $MAINPID\n", "\nUser=llmhost-gateway\n", "\nGroup=gw\n"):
+        assert want in unit, want
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("no systemd-analyze here")
+    units = tmp_path / "units"
+    units.mkdir()
+    for name in ("llmhost-gateway-tls.path", "llmhost-gateway-tls.service"):
+        (units / name).write_text((tmp_path / name).read_text())
+    verify = subprocess.run([analyze, "verify", *(str(p) for p in sorted(units.iterdir()))],
+                            capture_output=True, text=True, check=False, timeout=120)
+    assert verify.returncode == 0 and not verify.stderr.strip(), verify.stdout + verify.stderr
+
+
+def test_a_new_certificate_reloads_the_gateway_and_a_restart_wins() -> None:
+    """The role's copy of the pair notifies the reload handler (SIGHUP), not the restart;
+    the reload handler runs after the restart handlers and only when they did not run."""
+    tasks = load_yaml(REPO / "roles" / "gateway" / "tasks" / "configure.yml")
+    copy = next(t for t in tasks if t["name"] == "Copy the certificate and key where the gateway reads them")
+    assert copy["notify"] == "gateway reload" and copy["ansible.builtin.copy"]["remote_src"] is True
+    modes = {i["dest"]: i["mode"] for i in copy["loop"]}
+    assert modes == {"{{ _gateway_tls_cert }}": "0644", "{{ _gateway_tls_key }}": "0640"}
+    assert copy["ansible.builtin.copy"]["group"] == "{{ gateway_group }}" and copy["diff"] is False
+    handlers = load_yaml(REPO / "roles" / "gateway" / "handlers" / "main.yml")
+    listens = [h.get("listen") for h in handlers]
+    reload_at = listens.index("gateway reload")
+    reload = handlers[reload_at]
+    assert reload["ansible.builtin.systemd_service"]["state"] == "reloaded"
+    assert "not _gateway_restarted" in reload["when"]
+    restarts = [i for i, h in enumerate(handlers) if h.get("listen") == "gateway restart"]
+    assert restarts and max(restarts) < reload_at
+    noted = [h for h in handlers if h.get("listen") == "gateway restart" and "ansible.builtin.set_fact" in h]
+    assert noted and noted[0]["ansible.builtin.set_fact"] == {"_gateway_restarted": True}
+    restart = next(h for h in handlers
+                   if "ansible.builtin.systemd_service" in h and h.get("listen") == "gateway restart")
+    assert restart["ansible.builtin.systemd_service"]["state"] == "restarted"
 
 
 def test_with_a_ca_the_unit_talks_grpc_over_tls(tmp_path: Path) -> None:
