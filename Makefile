@@ -31,7 +31,7 @@ $(VENV)/.setup-done: pyproject.toml
 setup: $(VENV)/.setup-done
 
 lint-python: setup
-	$(VENV)/bin/ruff check src tests lab
+	$(VENV)/bin/ruff check src tests lab roles/llmhost/library
 
 lint: lint-python lint-ansible lint-monitoring
 

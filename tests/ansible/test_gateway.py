@@ -307,7 +307,7 @@ def test_on_an_inference_host_the_unit_streams_from_the_local_engine_sockets(tmp
 # -- a gateway on a host of its own (group gateway) --------------------------------------
 
 
-def _gateway_only_preflight(tmp_path: Path, gpu1: dict[str, Any]) -> PlaybookRun:
+def _gateway_only_preflight(tmp_path: Path, gpu1: dict[str, Any], more: dict[str, Any] | None = None) -> PlaybookRun:
     """serving.yml's preflight for `gw`, a host of the group gateway alone (this machine),
     in front of two inference hosts that are only in the inventory (--limit gw)."""
     inventory = {"all": {"children": {
@@ -322,7 +322,7 @@ def _gateway_only_preflight(tmp_path: Path, gpu1: dict[str, Any]) -> PlaybookRun
     path = tmp_path / "inventory.json"
     path.write_text(json.dumps(inventory))
     # On the network without a certificate: asked for, so that the checks below are what is shown.
-    extra = {**keys({"name": "a", "key": KEY}), "gateway_allow_plaintext": True}
+    extra = {**keys({"name": "a", "key": KEY}), "gateway_allow_plaintext": True, **(more or {})}
     return ansible_playbook("-i", str(path), "--limit", "gw", "-e", json.dumps(extra),
                             "--tags", "preflight", "--check", "playbooks/serving.yml")
 
@@ -345,6 +345,30 @@ def test_a_gateway_only_host_refuses_an_inference_host_with_triton_on_loopback(t
     assert run.recap()["gw"]["failed"] == 1, run.output
     assert "cannot reach Triton on gpu-1" in failure and "loopback" in failure, failure[:3000]
     assert KEY not in run.output
+
+
+def test_with_the_plays_ca_a_gateway_only_host_is_pointed_at_it_and_refuses_another(tmp_path: Path) -> None:
+    public = {"llmhost_bind_address": "10.0.0.11", "llmhost_allow_public_triton": True}
+    made = {"llmhost_grpc_tls_ca": True, "llmhost_pki_dir": str(tmp_path / "pki")}
+    run = _gateway_only_preflight(tmp_path, public, made)
+    assert run.rc == 0 and run.recap()["gw"]["failed"] == 0, run.output
+    # Preflight makes nothing: the CA comes with the configure phase.
+    assert not (tmp_path / "pki").exists()
+    run = _gateway_only_preflight(tmp_path, public, {**made, "gateway_upstream_ca_file": "/etc/ssl/mine.crt"})
+    failure = run.failure()
+    assert "llmhost_grpc_tls_ca is true" in failure, failure[:3000]
+    assert "leave gateway_upstream_ca_file unset" in failure, failure[:3000]
+
+
+def test_with_the_plays_ca_the_unit_verifies_remote_upstreams_with_it(tmp_path: Path) -> None:
+    base = {**keys({"name": "alice", "key": KEY}), "llmhost_models": [{"name": "tiny", "source": "tiny"}],
+            "llmhost_grpc_tls_ca": True}
+    run = _render(tmp_path, {**base, "gateway_upstreams": ["10.0.0.1:8001"]})
+    assert run.rc == 0, run.output
+    assert "\nLoadCredential=upstream-ca.crt:/etc/llmhost/llmhost-grpc-ca.crt\n" in (tmp_path / "unit").read_text()
+    run = _render(tmp_path, {**base, "gateway_upstreams": ["127.0.0.1:8001"]})
+    assert run.rc == 0, run.output
+    assert "upstream-ca" not in (tmp_path / "unit").read_text()
 
 
 def test_remote_image_urls_are_fetched_only_when_allowed(tmp_path: Path) -> None:

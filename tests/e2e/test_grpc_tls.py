@@ -1,7 +1,8 @@
 """gRPC between hosts over TLS: a real tritonserver with --grpc-use-ssl (a certificate
 from a small CA) on an address off loopback, and the gateway's upstream client: with
-the CA it is answered; plaintext, or TLS with another CA, it is not. The gateway
-process itself refuses a CA file that holds no certificate, naming the flag."""
+the CA it is answered; plaintext, or TLS with another CA, it is not. The same with the
+certificate, key and CA file the roles' own tasks make (llmhost_grpc_tls_ca). The
+gateway process itself refuses a CA file that holds no certificate, naming the flag."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -23,6 +25,7 @@ from llmhost.gateway.app import upstream_ca
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.upstream import Upstream, UpstreamDown
 from llmhost.server.layout import TritonInstall
+from tests.ansible.test_grpc_pki import pki_book, run_book
 from tests.harness.certs import issue
 from tests.harness.net import free_port
 
@@ -43,17 +46,45 @@ class Tls:
         self.target, self.ca, self.other_ca = target, ca, other_ca
 
 
-@pytest.fixture(scope="module")
-def triton_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tls]:
+def _address() -> str:
     address = _host_address()
     # Loopback upstreams stay plaintext by design, so TLS needs an address off loopback;
     # this machine and CI's have one (their default route's).
     assert address is not None, "this machine has no address off loopback to serve gRPC over TLS on"
+    return address
+
+
+@pytest.fixture(scope="module")
+def triton_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tls]:
+    address = _address()
     work = tmp_path_factory.mktemp("grpc-tls")
     ca = issue(work, "llmhost-grpc-ca", ca=True)
     other_ca = issue(work, "another-ca", ca=True).cert_path
     server = issue(work, "triton-grpc", address, issuer=ca)
-    cert, key = server.cert_path, server.key_path
+    with _tritonserver(work, address, server.cert_path, server.key_path) as target:
+        yield Tls(target, ca.cert_path, other_ca)
+
+
+@pytest.fixture(scope="module")
+def triton_play_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tls]:
+    """tritonserver with the key and certificate the triton role's tasks made, and the CA
+    file the gateway role's tasks installed (as root: the key is root's)."""
+    if os.geteuid() != 0:
+        pytest.skip("the play's key is root's: needs root")
+    address = _address()
+    work = tmp_path_factory.mktemp("grpc-play-tls")
+    for folder in ("etc", "gw"):
+        (work / folder).mkdir()
+    run_book(pki_book(work, {"llmhost_bind_address": address, "gateway_upstreams": [f"{address}:8001"]}))
+    cert, key = work / "etc" / "tritonserver-grpc-tls.crt", work / "etc" / "tritonserver-grpc-tls.key"
+    other_ca = issue(work, "another-ca", ca=True).cert_path
+    with _tritonserver(work, address, cert, key) as target:
+        yield Tls(target, work / "gw" / "llmhost-grpc-ca.crt", other_ca)
+
+
+@contextmanager
+def _tritonserver(work: Path, address: str, cert: Path, key: Path) -> Iterator[str]:
+    """tritonserver (an empty model repository) serving gRPC over TLS at ADDRESS; yields HOST:PORT."""
     (work / "models").mkdir()
     triton = TritonInstall.from_pytriton()
     port = free_port()
@@ -72,7 +103,7 @@ def triton_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tls]:
         while "Started GRPCInferenceService" not in log.read_text(errors="replace"):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
             time.sleep(0.2)
-        yield Tls(f"{address}:{port}", ca.cert_path, other_ca)
+        yield f"{address}:{port}"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -140,3 +171,23 @@ def test_the_gateway_refuses_a_ca_file_without_certificates(content: bytes, tmp_
                         "--model", "m", "--upstream", "10.0.0.12:8001", "--upstream-ca", str(bad)],
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2 and "--upstream-ca" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_plays_certificate_and_ca_carry_grpc_over_tls(triton_play_tls: Tls):
+    """What llmhost_grpc_tls_ca makes: Triton serves with the host's certificate, the
+    gateway's upstream client is answered with the CA file, not in plaintext nor with
+    another CA."""
+    ca = triton_play_tls.ca.read_bytes()
+
+    async def ready(ca: bytes | None) -> bool:
+        upstream = Upstream(triton_play_tls.target, 5.0, ca=ca)
+        try:
+            return await upstream.model_ready("m")  # no such model: an answer, False
+        finally:
+            await upstream.close()
+
+    assert asyncio.run(ready(ca)) is False
+    assert _live(triton_play_tls.target, grpc.ssl_channel_credentials(root_certificates=ca))
+    for other in (None, triton_play_tls.other_ca.read_bytes()):
+        with pytest.raises(UpstreamDown):
+            asyncio.run(ready(other))
