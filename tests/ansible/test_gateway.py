@@ -84,6 +84,8 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
      ("/metrics on 0.0.0.0", "gateway_metrics_token", "gateway_metrics_allow_anonymous: true")),
     ("short metrics token", {**keys({"name": "a", "key": KEY}), "gateway_metrics_token": SHORT},
      ("gateway_metrics_token", "at least 16 characters")),
+    ("metrics over TLS without a certificate", {**keys({"name": "a", "key": KEY}), "gateway_metrics_tls": True},
+     ("gateway_metrics_tls serves /metrics over HTTPS", "gateway_tls_cert_file")),
     ("models not a list", keys({"name": "a", "key": KEY, "models": "tiny"}), ("gateway_api_keys[0] (a)", "models")),
     ("admin not a boolean", keys({"name": "a", "key": KEY, "admin": "yes"}), ("gateway_api_keys[0] (a)", "admin")),
     ("unknown model", {**keys({"name": "a", "key": KEY}), "gateway_models": ["llama"]}, ("gateway_models", "llama")),
@@ -260,6 +262,25 @@ def test_a_new_certificate_reloads_the_gateway_and_a_restart_wins() -> None:
     restart = next(h for h in handlers
                    if "ansible.builtin.systemd_service" in h and h.get("listen") == "gateway restart")
     assert restart["ansible.builtin.systemd_service"]["state"] == "restarted"
+
+
+def test_metrics_follow_the_apis_tls_unless_told(tmp_path: Path) -> None:
+    """With a certificate the unit serves /metrics over HTTPS with it (--metrics-tls), unless
+    gateway_metrics_tls is false; without one, neither flag."""
+    base = {**keys({"name": "alice", "key": KEY}), "llmhost_models": [{"name": "tiny", "source": "tiny"}],
+            "gateway_tls_cert_file": "/etc/ssl/gw.crt", "gateway_tls_key_file": "/etc/ssl/gw.key"}
+    run = _render(tmp_path, base)
+    assert run.rc == 0, run.output
+    unit = (tmp_path / "unit").read_text()
+    assert "  --metrics-tls \\\n" in unit and "--no-metrics-tls" not in unit
+    run = _render(tmp_path, {**base, "gateway_metrics_tls": False})
+    assert run.rc == 0, run.output
+    unit = (tmp_path / "unit").read_text()
+    assert "  --no-metrics-tls \\\n" in unit and "  --metrics-tls" not in unit
+    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}),
+                             "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
+    assert run.rc == 0, run.output
+    assert "metrics-tls" not in (tmp_path / "unit").read_text()
 
 
 def test_with_a_ca_the_unit_talks_grpc_over_tls(tmp_path: Path) -> None:

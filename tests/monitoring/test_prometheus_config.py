@@ -213,3 +213,47 @@ def test_preflight_rejects_a_bad_retention(tmp_path: Path):
     r = render(tmp_path, inv, prometheus_retention_time="two weeks")
     assert r.returncode != 0
     assert "prometheus_retention_time must be a Prometheus duration" in r.stdout
+
+
+def test_gateways_with_metrics_over_tls_are_scraped_over_https_with_the_ca(tmp_path: Path):
+    """A gateway with TLS serves /metrics over HTTPS (gateway_metrics_tls, by default with
+    gateway_tls_cert_file): job gateway scrapes with scheme https and
+    prometheus_gateway_metrics_ca_file; gateways that disagree are refused by name."""
+    from tests.harness.certs import self_signed
+
+    key = [{"name": "a", "sha256": "0" * 64}]
+    tls = {"llmhost_metrics_bind_address": "0.0.0.0", "gateway_api_keys": key,
+           "gateway_tls_cert_file": "/etc/ssl/gw.crt", "gateway_tls_key_file": "/etc/ssl/gw.key"}
+    ca, _ = self_signed(tmp_path / "ca")
+    hosts = {"gw-01": {"ansible_host": "10.0.0.11", **tls},
+             "gw-02": {"ansible_host": "10.0.0.12", **tls, "gateway_metrics_tls": True}}
+    r = render(tmp_path, inventory(tmp_path, json.loads(json.dumps(hosts)), monitoring="mon-01"),
+               prometheus_gateway_metrics_ca_file=str(ca))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    path = tmp_path / "out" / "prometheus.yml"
+    check = promtool("check", "config", path)
+    assert check.returncode == 0, check.stdout + check.stderr
+    jobs = {job["job_name"]: job for job in yaml.safe_load(path.read_text())["scrape_configs"]}
+    assert jobs["gateway"]["scheme"] == "https" and jobs["gateway"]["tls_config"] == {"ca_file": str(ca)}
+    assert "scheme" not in jobs["triton"] and "scheme" not in jobs["node"]
+
+    # No CA file here: the system's CAs (prometheus_scrape_tls_ca_file's default, empty).
+    r = render(tmp_path, inventory(tmp_path, json.loads(json.dumps(hosts)), monitoring="mon-01"))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    gateway = next(j for j in yaml.safe_load(path.read_text())["scrape_configs"] if j["job_name"] == "gateway")
+    assert gateway["scheme"] == "https" and "tls_config" not in gateway
+
+    # /metrics kept in plain HTTP on every gateway: plain scrapes.
+    plain = {h: {**v, "gateway_metrics_tls": False} for h, v in hosts.items()}
+    r = render(tmp_path, inventory(tmp_path, plain, monitoring="mon-01"), prometheus_gateway_metrics_ca_file=str(ca))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    gateway = next(j for j in yaml.safe_load(path.read_text())["scrape_configs"] if j["job_name"] == "gateway")
+    assert "scheme" not in gateway and "tls_config" not in gateway
+
+    # One job: all over HTTPS or none.
+    mixed = {**json.loads(json.dumps(hosts)), "gw-02": {"ansible_host": "10.0.0.12", **tls,
+                                                        "gateway_metrics_tls": False}}
+    r = render(tmp_path, inventory(tmp_path, mixed, monitoring="mon-01"))
+    assert r.returncode != 0
+    assert 'must all serve it over HTTPS or none' in " ".join(r.stdout.split()), r.stdout[-3000:]
+    assert '["gw-01"]' in " ".join(r.stdout.split()).replace('\\"', '"'), r.stdout[-3000:]

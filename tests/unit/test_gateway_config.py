@@ -150,7 +150,9 @@ def test_a_good_certificate_and_key_pass_and_reach_uvicorn(tmp_path):
     api, side = uvicorn_configs(object(), object(), config)
     assert api.ssl_certfile == str(cert) and api.ssl_keyfile == str(key)
     assert api.timeout_graceful_shutdown == 12 and (api.host, api.port) == ("127.0.0.1", 18080)
-    assert side.ssl_certfile is None and (side.host, side.port) == ("127.0.0.1", 18081)
+    # /metrics over HTTPS with the same pair, by default when the API has it
+    assert side.ssl_certfile == str(cert) and side.ssl_keyfile == str(key)
+    assert (side.host, side.port) == ("127.0.0.1", 18081)
     plain, _ = uvicorn_configs(object(), object(), GatewayConfig(models=["m"]))
     assert plain.ssl_certfile is None and plain.timeout_graceful_shutdown == 30
 

@@ -3,7 +3,9 @@
 Settings come from flags and/or ``--config PATH`` (YAML, see ``config``); a flag
 given wins over the file. Exit 2 names the flag, key or file that is wrong. SIGHUP
 loads the TLS certificate and key again (new connections get them; a pair that does
-not load leaves the old one serving), so a renewed certificate needs no restart.
+not load leaves the old one serving), on the API and on /metrics when it has TLS
+too (``--metrics-tls``, by default with the API's), so a renewed certificate needs
+no restart.
 """
 
 from __future__ import annotations
@@ -114,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-token-file", type=Path, metavar="PATH",
                    help="a file holding the SHA-256 (hex, as hash-key prints it) of the token /metrics asks "
                         "for: Authorization: Bearer TOKEN, or basic auth with TOKEN as the password; else 401")
+    p.add_argument("--metrics-tls", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve /metrics over HTTPS with the API's certificate and key (--tls-cert, --tls-key; "
+                        "loaded again on SIGHUP too); default: when the API has them")
     p.add_argument("--allow-anonymous-metrics", action="store_true", default=None,
                    help="serve /metrics (it names the keys) on an address other than loopback without a "
                         "token (refused otherwise)")
@@ -210,6 +215,9 @@ def settings(args: argparse.Namespace) -> GatewayConfig:
         raise ConfigError("no keys file: give --keys-file PATH (or keys_file: in the config file)")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise ConfigError("give both --tls-cert and --tls-key (tls.cert and tls.key), or neither")
+    if config.metrics_tls and config.tls_cert is None:
+        raise ConfigError("--metrics-tls (metrics_tls: true) serves /metrics with the API's certificate: give "
+                          "--tls-cert and --tls-key too")
     if config.tls_cert is None and not is_loopback(config.listen[0]) and not config.allow_plaintext:
         raise ConfigError(f"--listen {join_host_port(config.listen)} without TLS would take API keys and prompts in "
                           "plain HTTP from the network: give --tls-cert and --tls-key, listen on loopback, or "
@@ -304,17 +312,23 @@ def metrics_token(config: GatewayConfig) -> str | None:
     return text
 
 
-def reload_tls(context: ssl.SSLContext, config: GatewayConfig) -> bool:
-    """The certificate and key files loaded again into the serving CONTEXT: connections
-    from now on get them. A pair that does not load leaves CONTEXT as it was. Says on
-    stderr what happened."""
+def metrics_tls(config: GatewayConfig) -> bool:
+    """Whether /metrics is served over HTTPS: as asked (metrics_tls), else when the API is."""
+    return config.tls_cert is not None if config.metrics_tls is None else config.metrics_tls
+
+
+def reload_tls(contexts: list[ssl.SSLContext], config: GatewayConfig, what: str = "") -> bool:
+    """The certificate and key files loaded again into the serving CONTEXTS (the API's,
+    /metrics'): connections from now on get them. A pair that does not load leaves
+    every context as it was. Says on stderr what happened (WHAT names the listeners)."""
     try:
         check_tls(config)
-        context.load_cert_chain(config.tls_cert, config.tls_key)  # type: ignore[arg-type]
+        for context in contexts:
+            context.load_cert_chain(config.tls_cert, config.tls_key)  # type: ignore[arg-type]
     except (ConfigError, ssl.SSLError, OSError) as exc:
-        print(f"llmhost gateway: SIGHUP: kept the certificate in use: {exc}", file=sys.stderr, flush=True)
+        print(f"llmhost gateway: SIGHUP: kept the certificate in use{what}: {exc}", file=sys.stderr, flush=True)
         return False
-    print(f"llmhost gateway: SIGHUP: certificate reloaded from {config.tls_cert}", file=sys.stderr, flush=True)
+    print(f"llmhost gateway: SIGHUP: certificate reloaded from {config.tls_cert}{what}", file=sys.stderr, flush=True)
     return True
 
 
@@ -374,7 +388,7 @@ def _say_serving(config: GatewayConfig, keys: int, processes: str) -> None:
     scheme = "https" if config.tls_cert is not None else "http"
     print(f"llmhost gateway: OpenAI API on {scheme}://{join_host_port(config.listen)}/v1 for "
           f"{', '.join(config.models)} via {', '.join(config.upstreams)}; {keys} key(s); metrics on "
-          f"http://{join_host_port(config.metrics_listen)}/metrics"
+          f"{'https' if metrics_tls(config) else 'http'}://{join_host_port(config.metrics_listen)}/metrics"
           f"{' (token)' if config.metrics_token_file is not None else ''}; event loop "
           f"{config.event_loop}; {processes}", file=sys.stderr, flush=True)
 
@@ -392,11 +406,22 @@ def supervise_main(config: GatewayConfig, keys: list[ApiKey], argv: list[str], c
               file=sys.stderr)
         return 2
 
+    contexts: list[ssl.SSLContext] = []
+
     def metrics_server(scrape: Any) -> Any:
-        return _side_server(uvicorn_configs(None, metrics_app(scrape, token), config)[1])
+        side = uvicorn_configs(None, metrics_app(scrape, token), config)[1]
+        side.load()  # now, so that its SSL context exists for SIGHUP
+        if side.ssl is not None:
+            contexts.append(side.ssl)
+        return _side_server(side)
+
+    def reload_metrics_tls() -> None:
+        # The workers load the API's certificate themselves (they get SIGHUP too).
+        if contexts:
+            reload_tls(contexts, config, " (/metrics)")
 
     _say_serving(config, len(keys), f"{count} worker processes")
-    run(supervise(config, keys, argv, sockets, metrics_server), "asyncio")
+    run(supervise(config, keys, argv, sockets, metrics_server, reload_metrics_tls), "asyncio")
     return 0
 
 
@@ -417,7 +442,9 @@ def uvicorn_configs(app: Any, metrics_app: Any, config: GatewayConfig) -> tuple[
         tls = {"ssl_certfile": str(config.tls_cert), "ssl_keyfile": str(config.tls_key)}
     api = uvicorn.Config(app, host=config.listen[0], port=config.listen[1],
                          timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)), **tls, **common)
-    side = uvicorn.Config(metrics_app, host=config.metrics_listen[0], port=config.metrics_listen[1], **common)
+    # /metrics over HTTPS with the same certificate and key, by default when the API has them.
+    side = uvicorn.Config(metrics_app, host=config.metrics_listen[0], port=config.metrics_listen[1],
+                          **(tls if metrics_tls(config) else {}), **common)
     return api, side
 
 
@@ -446,9 +473,14 @@ async def _serve(app: Any, metrics: Any, config: GatewayConfig, place: WorkerPla
     from llmhost.gateway.workers import join
 
     api_config, side_config = uvicorn_configs(app, metrics_app(metrics, token), config)
-    api_config.load()  # now, so that its SSL context exists for SIGHUP
-    if api_config.ssl is not None:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_tls, api_config.ssl, config)
+    api_config.load()  # now, so that the SSL contexts exist for SIGHUP
+    contexts = [api_config.ssl] if api_config.ssl is not None else []
+    if place is None:  # a worker serves no /metrics of its own
+        side_config.load()
+        if side_config.ssl is not None:
+            contexts.append(side_config.ssl)
+    if contexts:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_tls, contexts, config)
     api = uvicorn.Server(api_config)
     pool = app.state.gateway.pool
     sockets: list[socket.socket] | None = None

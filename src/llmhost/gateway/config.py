@@ -12,6 +12,7 @@ unknown key is refused by name. Relative paths are relative to the file's folder
     metrics_listen: "127.0.0.1:18081"  # --metrics-listen
     metrics_token_file: /etc/llmhost/metrics-token.sha256  # --metrics-token-file; SHA-256 of /metrics' token
     allow_anonymous_metrics: false     # --allow-anonymous-metrics; /metrics off loopback without a token
+    metrics_tls: true                  # --metrics-tls / --no-metrics-tls; /metrics over HTTPS (default: with tls)
     allow_remote_images: false         # --allow-remote-images; fetch chats' http(s) image URLs (else 400)
     keys_file: /etc/llmhost/keys.json  # --keys-file; required, from the file or flags
     max_body_bytes: 8388608            # --max-body-bytes; larger bodies: 413
@@ -103,6 +104,9 @@ class GatewayConfig:
     metrics_token_file: Path | None = None
     # /metrics (it names the keys) off loopback without a token: refused unless this is set.
     allow_anonymous_metrics: bool = False
+    # /metrics over HTTPS with the API's certificate and key (tls_cert, tls_key; loaded
+    # again on SIGHUP too); None: when the API has them.
+    metrics_tls: bool | None = None
     # Image parts of chats given as http(s) URLs: fetched by the gateway if set, else
     # refused naming the field (data URLs are always taken; llmhost.gateway.images).
     allow_remote_images: bool = False
@@ -147,7 +151,7 @@ _TOP: dict[str, tuple[str, str]] = {
     "engine_sockets": ("engine_sockets", "socket_dirs"), "allow_plaintext": ("allow_plaintext", "bool"),
     "workers": ("workers", "non_negative_int"), "metrics_token_file": ("metrics_token_file", "path"),
     "allow_anonymous_metrics": ("allow_anonymous_metrics", "bool"), "upstream_ca": ("upstream_ca", "path"),
-    "allow_remote_images": ("allow_remote_images", "bool"),
+    "allow_remote_images": ("allow_remote_images", "bool"), "metrics_tls": ("metrics_tls", "bool"),
 }
 # Kinds whose value is one of a few names.
 _CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "event_loop": EVENT_LOOPS}

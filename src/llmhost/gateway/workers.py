@@ -442,9 +442,11 @@ def _workdir() -> Iterator[Path]:
 
 
 async def supervise(config: GatewayConfig, keys: list[ApiKey], argv: list[str], sockets: list[socket.socket],
-                    metrics_server: Callable[[Callable[[], Awaitable[bytes]]], Any]) -> None:
+                    metrics_server: Callable[[Callable[[], Awaitable[bytes]]], Any],
+                    on_sighup: Callable[[], None] | None = None) -> None:
     """Run the workers on SOCKETS (one each) until SIGTERM/SIGINT and they have drained.
-    METRICS_SERVER makes the /metrics server (a uvicorn.Server) from a scrape function."""
+    METRICS_SERVER makes the /metrics server (a uvicorn.Server) from a scrape function.
+    SIGHUP reaches every worker, then ON_SIGHUP (the /metrics server's certificate)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -460,7 +462,13 @@ async def supervise(config: GatewayConfig, keys: list[ApiKey], argv: list[str], 
         workers = Workers(argv, sockets, control, metrics_dir)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, workers.stop, sig)
-        loop.add_signal_handler(signal.SIGHUP, workers.signal_all, signal.SIGHUP)
+
+        def hangup() -> None:
+            workers.signal_all(signal.SIGHUP)
+            if on_sighup is not None:
+                on_sighup()
+
+        loop.add_signal_handler(signal.SIGHUP, hangup)
 
         async def scrape() -> bytes:
             views = await state.views()
