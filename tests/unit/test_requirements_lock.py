@@ -40,7 +40,7 @@ def test_the_shipped_locks_are_the_ones_the_role_defaults_name():
     named = [LOCKS.parent / path for versions in DEFAULTS["python_env_requirements_locks"].values()
              for path in versions.values()]
     assert SHIPPED and sorted(named) == SHIPPED
-    assert DEFAULTS["python_env_requirements_locks"]["cpu"]["3.11"] == "locks/cpu-py3.11.txt"
+    assert DEFAULTS["python_env_requirements_locks"]["cpu"]["3.11-x86_64"] == "locks/cpu-py3.11.txt"
 
 
 @pytest.mark.parametrize("lock", SHIPPED, ids=[p.name for p in SHIPPED])
