@@ -15,6 +15,9 @@ is down, and say it is back once A serves again.
 Host C is booted too and is only in the group `gateway`: site.yml (--limit C, with
 A and B as the inventory's inference hosts) gives it the gateway alone, in a venv
 without vLLM or Triton, whose upstreams and models come from the inventory.
+
+Last, playbooks/rolling.yml rolls changes over A and B while clients send requests
+through C's gateway (see the section at the end).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import threading
 import time
@@ -30,12 +34,16 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
+import yaml
 
 from tests.harness.booted import NAME_PREFIX, BootedHost
 from tests.harness.net import free_port
+from tests.harness.paths import ROOT
 from tests.system._converge import (
     HOST_MODELS,
     METRICS_ADDRESS,
@@ -76,8 +84,13 @@ def pair(converged: Converged, tmp_path_factory: pytest.TempPathFactory) -> Iter
         # B's own gRPC port must be known before the converge: choose it here.
         b_grpc = free_port()
         b_upstream = f"127.0.0.1:{b_grpc}"
-        b = converge(host_b, work, groups=("inference",),
-                     ports={"grpc": b_grpc}, overrides={"gateway_upstreams": [b_upstream, a_upstream]})
+        # vLLM's CPU engine binds its worker to every core but the last one it sees: on a
+        # machine of two cores, core 0, for A's engine and B's alike. B's goes on core 1,
+        # so that the two hosts do not take turns on one core while both serve.
+        demo_environment = yaml.safe_load((ROOT / "inventory" / "demo.yml").read_text())["triton_service_environment"]
+        b = converge(host_b, work, groups=("inference",), ports={"grpc": b_grpc},
+                     overrides={"gateway_upstreams": [b_upstream, a_upstream],
+                                "triton_service_environment": {**demo_environment, "VLLM_CPU_OMP_THREADS_BIND": "1"}})
         yield Pair(converged, b, a_upstream, b_upstream)
     finally:
         host_b.stop()
@@ -288,3 +301,251 @@ def test_the_gateway_only_host_converges_to_no_change(gateway_only: GatewayOnly)
     out = gateway_only.second.stdout
     assert gateway_only.second.returncode == 0, out[-6000:]
     assert recap(out)["changed"] == 0, changed_tasks(out)
+
+
+# -- a rolling change behind the gateways (playbooks/rolling.yml) -----------------------
+#
+# A and B are the inference hosts, C's gateway is in front of both. Two clients (one
+# streaming, one not) send requests through C for the whole test while rolling.yml runs:
+# 1. a change that breaks the first host (an engine argument vLLM does not know): the
+#    roll stops at A, which stays held on the gateways; B is neither restarted nor
+#    rewritten, and serves alone;
+# 2. the change that works, a new engine argument and a newer llmhost build (this
+#    source tree with a higher version), over A then B;
+# 3. the same roll once more, on B: nothing to change, so changed=0 and nobody is held.
+# No request through C fails and no stream ends early. A and B keep the change: this
+# module runs last among the system tests (tests/conftest.py), so no later test
+# expects A as the session converged it.
+
+# A build newer than the one in this tree: pyproject's version, then .post1.
+NEW_VERSION = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1] + ".post1"  # type: ignore[index]
+ADMIN_KEY_FILE = "/etc/llmhost/llmhost-gateway-admin-key"
+LOAD_MAX_TOKENS = 8
+LOAD_PAUSE_S = 0.3  # between one client's requests: the rolls share this machine's two cores
+
+
+@dataclass
+class _Outcome:
+    start: float
+    end: float
+    streamed: bool
+    ok: bool
+    truncated: bool = False
+    detail: str = ""
+
+
+@dataclass
+class _Traffic:
+    """Two clients sending requests through a gateway, one after another each, until
+    stopped: one streams, one does not. The `openai` client with retries off, so every
+    failure counts; a stream counts as whole only with its finish_reason."""
+
+    url: str
+    key: str
+    stop: threading.Event = field(default_factory=threading.Event)
+    outcomes: list[_Outcome] = field(default_factory=list)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def _one(self, client: Any, streamed: bool, i: int) -> _Outcome:
+        start = time.monotonic()
+        args = {"model": MODEL, "prompt": f"roll {i}:", "max_tokens": LOAD_MAX_TOKENS,
+                "extra_body": {"ignore_eos": True}}
+        chunks, finish = 0, None
+        try:
+            if streamed:
+                for chunk in client.completions.create(stream=True, **args):
+                    if chunk.choices:
+                        chunks += 1
+                        finish = chunk.choices[0].finish_reason or finish
+                ok = finish == "length"
+                return _Outcome(start, time.monotonic(), True, ok, truncated=not ok,
+                                detail=f"{chunks} chunks, finish_reason {finish}")
+            r = client.completions.create(**args)
+            ok = r.usage is not None and r.usage.completion_tokens == LOAD_MAX_TOKENS
+            return _Outcome(start, time.monotonic(), False, ok, detail=f"usage {r.usage}")
+        except Exception as exc:  # noqa: BLE001 - every failure of a request is an outcome to count
+            # A stream that broke after its first chunk is a truncated stream.
+            return _Outcome(start, time.monotonic(), streamed, False, truncated=streamed and chunks > 0,
+                            detail=f"{type(exc).__name__}: {exc}"[:400])
+
+    def _run(self, client: Any, streamed: bool) -> None:
+        i = 0
+        while not self.stop.is_set():
+            self.outcomes.append(self._one(client, streamed, i))
+            i += 1
+            self.stop.wait(LOAD_PAUSE_S)
+
+    def start(self) -> None:
+        from openai import OpenAI
+
+        def client() -> Any:
+            return OpenAI(base_url=f"{self.url}/v1", api_key=self.key, max_retries=0, timeout=120)
+
+        self.threads = [threading.Thread(target=self._run, args=(client(), streamed), daemon=True)
+                        for streamed in (True, False)]
+        for t in self.threads:
+            t.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=150)
+
+    def between(self, t0: float, t1: float) -> list[_Outcome]:
+        return [o for o in list(self.outcomes) if o.start < t1 and o.end > t0]
+
+
+def _counts(outcomes: list[_Outcome]) -> str:
+    failed = [o for o in outcomes if not o.ok]
+    return (f"failed requests: {len(failed)} of {len(outcomes)} "
+            f"({sum(o.streamed for o in outcomes)} streamed, {sum(not o.streamed for o in outcomes)} not), "
+            f"truncated streams: {sum(o.truncated for o in outcomes)}")
+
+
+def _newer_build(work: Path) -> Path:
+    """This llmhost source tree as python_env copies it (pyproject.toml, src/), with a
+    higher version: a newer build."""
+    tree = work / "llmhost-newer"
+    shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, tree / name)
+    for path, name in ((tree / "pyproject.toml", "version"), (tree / "src" / "llmhost" / "__init__.py", "__version__")):
+        text, n = re.subn(rf'^{name} = "[^"]+"', f'{name} = "{NEW_VERSION}"', path.read_text(), count=1, flags=re.M)
+        assert n == 1, path
+        path.write_text(text)
+    return tree
+
+
+def _models(tiny_engine_args: dict[str, Any]) -> list[dict[str, Any]]:
+    """The session's models, with TINY_ENGINE_ARGS added to the engine arguments of MODEL."""
+    return [{**m, "engine_args": {**(m.get("engine_args") or {}), **tiny_engine_args}} if m["name"] == MODEL else m
+            for m in HOST_MODELS]
+
+
+def _roll(pair: Pair, c: GatewayOnly, work: Path, name: str, *args: str, models: list[dict[str, Any]],
+          source_dir: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """playbooks/rolling.yml over A then B (C in the group `gateway`), each inference host
+    with the variables of its converge as host variables, MODELS and SOURCE_DIR for both."""
+    # inventory/demo.yml comes as extra vars (run_playbook), which beat host variables: a
+    # key it sets too (gateway_api_keys, B's triton_service_environment) goes to each host
+    # under a name of its own, and the extra vars read it back from there, so that every
+    # host keeps the value of its converge (or demo.yml's, where its converge had none).
+    demo = yaml.safe_load((ROOT / "inventory" / "demo.yml").read_text())
+    converged = {conv.host.name: json.loads(conv.extra_vars.read_text()) for conv in (pair.a, pair.b)}
+    shadowed = sorted((set(demo) & {k for own in converged.values() for k in own}) - {"llmhost_models"})
+
+    def own_names(values: dict[str, Any]) -> dict[str, Any]:
+        return {**{k: v for k, v in values.items() if k not in shadowed},
+                **{f"rolling_test_{k}": values.get(k, demo[k]) for k in shadowed}}
+
+    inference = {conv.host.name: {**conv.host.host_vars(), **own_names(converged[conv.host.name])}
+                 for conv in (pair.a, pair.b)}
+    inventory = work / f"{name}-inventory.json"
+    inventory.write_text(json.dumps({"all": {"children": {
+        "inference": {"hosts": inference},
+        "gateway": {"hosts": {c.host.name: {**c.host.host_vars(), **own_names({})}}}}}}))
+    extra_file = work / f"{name}-vars.json"
+    extra_file.write_text(json.dumps({**{k: f"{{{{ rolling_test_{k} }}}}" for k in shadowed},
+                                      "llmhost_models": models, "llmhost_source_dir": str(source_dir)}))
+    began = time.monotonic()
+    r = run_playbook(inventory, extra_file, pair.a.host.pip_vars_file, "playbooks/rolling.yml", *args)
+    (work / f"{name}.out").write_text(r.stdout + r.stderr)
+    print(f"\nrolling.yml ({name}): rc {r.returncode} in {time.monotonic() - began:.0f} s ({work / name}.out)")
+    return r
+
+
+def _upstreams_on_c(c: GatewayOnly, key: str) -> dict[str, dict[str, Any]]:
+    r = requests.get(f"http://127.0.0.1:{c.port}/admin/upstreams", headers={"Authorization": f"Bearer {key}"},
+                     timeout=10)
+    assert r.status_code == 200, r.text
+    return {u["target"]: u for u in r.json()["upstreams"]}
+
+
+def _invocation(conv: Converged) -> str:
+    show = ["systemctl", "show", "-p", "InvocationID", "--value", "tritonserver"]
+    return conv.host.exec(show, check=True).stdout.strip()
+
+
+def _model_json(conv: Converged) -> str:
+    return conv.host.exec(["cat", f"/opt/llmhost/models/{MODEL}/model.json"], check=True).stdout
+
+
+def _version(conv: Converged) -> str:
+    return conv.host.exec(["/opt/llmhost/venv/bin/llmhost", "--version"], check=True).stdout.strip()
+
+
+def _recap_of(out: str, host: str) -> dict[str, int]:
+    m = re.search(rf"^{re.escape(host)}\s*:\s*(ok=\d+.*)$", out.split("PLAY RECAP", 1)[-1], re.M)
+    assert m, out[-3000:]
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
+
+
+HOLD_TASK = "Hold this host out of every gateway's pool]"
+
+
+def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_only: GatewayOnly, tmp_path: Path):
+    a, b, c = pair.a, pair.b, gateway_only
+    admin_key = c.host.exec(["cat", ADMIN_KEY_FILE], check=True).stdout.strip()
+    _wait_for("A and B in service on C", lambda: {t: u["state"] for t, u in _upstreams_on_c(c, admin_key).items()}
+              == {pair.a_upstream: "in_service", pair.b_upstream: "in_service"})
+    newer = _newer_build(tmp_path)
+    good_models = _models({"max_num_seqs": 16})
+    before_b = (_invocation(b), _model_json(b), _version(b))
+    traffic = _Traffic(f"http://127.0.0.1:{c.port}", c.key)
+    marks: list[tuple[str, float]] = []  # (what ran up to then, when it ended)
+    traffic.start()
+    try:
+        time.sleep(3)
+        began = time.monotonic()
+        # 1. A change that breaks the first host: the roll stops there, B is not touched.
+        broken = _roll(pair, c, tmp_path, "broken", models=_models({"no_such_engine_argument": 1}))
+        marks.append(("while the broken change stopped at A", time.monotonic()))
+        out = broken.stdout
+        assert broken.returncode != 0, out[-6000:]
+        assert f"The roll stopped at {a.host.name}" in out, out[-6000:]
+        assert "no_such_engine_argument" in out, out[-6000:]
+        assert HOLD_TASK in out, out[-6000:]
+        # B got no task at all (the roll stopped before its turn): nothing changed or failed there.
+        assert not re.search(rf"^(changed|fatal|failed): \[{re.escape(b.host.name)}\b", out, re.M), out[-6000:]
+        assert (_invocation(b), _model_json(b), _version(b)) == before_b, (
+            "a roll that stopped at A changed B (restarted it or rewrote its files)")
+        upstreams = _upstreams_on_c(c, admin_key)
+        assert upstreams[pair.a_upstream]["held"], upstreams
+        b_entry = upstreams[pair.b_upstream]
+        assert (b_entry["state"], b_entry["held"]) == ("in_service", False), upstreams
+
+        # 2. The change that works, with a newer llmhost build: repairs A, then changes B.
+        # Nothing rolls on after it fails: A would stay held and B be held too.
+        good = _roll(pair, c, tmp_path, "good", models=good_models, source_dir=newer)
+        marks.append(("while the change rolled over A and B", time.monotonic()))
+        assert good.returncode == 0, good.stdout[-8000:]
+        versions = {"a": _version(a), "b": _version(b)}
+        assert all(NEW_VERSION in v for v in versions.values()), versions
+        model_json = {"a": _model_json(a), "b": _model_json(b)}
+        assert all(json.loads(j).get("max_num_seqs") == 16 for j in model_json.values()), model_json
+        upstreams = _upstreams_on_c(c, admin_key)
+        assert {t: (u["state"], u["held"]) for t, u in upstreams.items()} == {
+            pair.a_upstream: ("in_service", False), pair.b_upstream: ("in_service", False)}, upstreams
+
+        # 3. The same again, on B: nothing to change, nobody held.
+        again = _roll(pair, c, tmp_path, "again", "--limit", b.host.name, models=good_models, source_dir=newer)
+        marks.append(("while the roll without a change ran on B", time.monotonic()))
+        assert again.returncode == 0, again.stdout[-6000:]
+        assert _recap_of(again.stdout, b.host.name)["changed"] == 0, changed_tasks(again.stdout)
+        assert HOLD_TASK not in again.stdout, "a roll without a change held B"
+        assert not any(u["held"] for u in _upstreams_on_c(c, admin_key).values())
+    finally:
+        traffic.finish()
+        print()
+        start = began if marks else time.monotonic()
+        for what, end in marks:
+            print(f"{what}: {_counts(traffic.between(start, end))}")
+            start = end
+        everything = traffic.between(began, marks[-1][1]) if marks else []
+        print(f"all through C during the rolls: {_counts(everything)}")
+
+    ends = [end for _, end in marks]
+    assert all(len(traffic.between(t0, t1)) >= 4 for t0, t1 in zip([began, *ends], ends, strict=False)), marks
+    failed = [o for o in everything if not o.ok]
+    assert not failed, [(o.streamed, o.detail) for o in failed[:10]]

@@ -4,7 +4,7 @@ other test file a unit of its own."""
 
 from __future__ import annotations
 
-from tests.conftest import handed_out_first, work_unit
+from tests.conftest import LAST, collection_order, handed_out_first, work_unit
 
 
 def test_system_and_e2e_tests_are_one_unit_each_and_other_files_their_own():
@@ -21,3 +21,12 @@ def test_system_first_then_e2e_then_the_rest():
            "tests/system/test_d.py::w"]
     assert sorted(ids, key=handed_out_first) == ["tests/system/test_d.py::w", "tests/e2e/test_b.py::y",
                                                  "tests/unit/test_a.py::x", "tests/ansible/test_c.py::z"]
+
+
+def test_the_module_that_rolls_the_session_host_runs_last_among_the_system_tests():
+    ids = ["tests/system/test_gateway_two_hosts.py::test_roll", "tests/e2e/test_b.py::y",
+           "tests/system/test_provision.py::a", "tests/unit/test_a.py::x", "tests/system/test_security.py::b"]
+    assert LAST == ("tests/system/test_gateway_two_hosts.py",)
+    assert sorted(ids, key=collection_order) == [
+        "tests/system/test_provision.py::a", "tests/system/test_security.py::b",
+        "tests/system/test_gateway_two_hosts.py::test_roll", "tests/e2e/test_b.py::y", "tests/unit/test_a.py::x"]
