@@ -448,7 +448,8 @@ def test_a_second_gateway_from_a_config_file_with_tls_a_dead_upstream_and_a_drai
         assert [m.id for m in c.models.list()] == [server.name]
         with pytest.raises(httpx.TransportError):  # HTTPS only
             httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=_auth(), timeout=5)
-        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        # /metrics has the API's TLS too.
+        text = httpx.get(f"https://127.0.0.1:{metrics_port}/metrics", timeout=10, verify=trust).text
         assert f'llmhost_gateway_upstream_up{{upstream="127.0.0.1:{dead}"}} 0.0' in text, text[-2000:]
         assert f'llmhost_gateway_upstream_up{{upstream="{server.grpc}"}} 1.0' in text
         assert f'llmhost_gateway_upstream_outstanding{{upstream="{server.grpc}"}} 0.0' in text
