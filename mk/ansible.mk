@@ -2,7 +2,7 @@
 # yamllint over the whole repository; both must print nothing but a pass.
 ANSIBLE_ENV := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible"
 
-.PHONY: lint-ansible test-ansible test-system
+.PHONY: lint-ansible test-ansible test-system test-rolling
 
 lint-ansible: setup
 	$(ANSIBLE_ENV) $(VENV)/bin/ansible-lint --nocolor -q
@@ -15,3 +15,8 @@ test-ansible: setup
 # Boots a Debian 12 container and provisions it with site.yml (several minutes).
 test-system: setup
 	$(ANSIBLE_ENV) $(VENV)/bin/pytest -q tests/system
+
+# The roll of playbooks/rolling.yml over two booted hosts under load (not in `make
+# test`: about 20 minutes more on a 2-core machine).
+test-rolling: setup
+	LLMHOST_ROLLING_TEST=1 $(ANSIBLE_ENV) $(VENV)/bin/pytest -q -s tests/system/test_gateway_two_hosts.py
