@@ -485,7 +485,7 @@ HOLD_TASK = "Hold this host out of every gateway's pool]"
 
 
 @pytest.mark.skipif(os.environ.get("LLMHOST_ROLLING_TEST") != "1",
-                    reason="about 20 minutes on a 2-core machine, past the CI budget: `make test-rolling`")
+                    reason="about 35 minutes on a 2-core machine, past the CI budget: `make test-rolling`")
 def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_only: GatewayOnly, tmp_path: Path):
     a, b, c = pair.a, pair.b, gateway_only
     admin_key = c.host.exec(["cat", ADMIN_KEY_FILE], check=True).stdout.strip()
