@@ -229,8 +229,8 @@ def test_a_renewed_certificate_reaches_the_running_gateway_by_a_reload(tmp_path:
                  "\nExecReload=/bin/kill -HUP $MAINPID\n", "\nUser=llmhost-gateway\n", "\nGroup=gw\n"):
         assert want in unit, want
     analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("no systemd-analyze here")
+    # The test machines (Debian 12 with systemd-container) have it: the check must run.
+    assert analyze is not None, "systemd-analyze is needed to verify the rendered units"
     units = tmp_path / "units"
     units.mkdir()
     for name in ("llmhost-gateway-tls.path", "llmhost-gateway-tls.service"):
