@@ -36,15 +36,20 @@ def _wait_for_line(log: Path, line: str, timeout_s: float = 15.0) -> None:
         time.sleep(0.2)
 
 
-def test_sighup_reloads_the_certificate_and_a_bad_pair_keeps_the_old_one(tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+def _renewable_pair(tmp_path: Path) -> tuple[Path, Path, Path, Path, Path, Path]:
+    """Two self-signed pairs, a and b, and the live files the gateway reads, holding a's:
+    (cert_a, key_a, cert_b, key_b, live cert, live key)."""
     (tmp_path / "live").mkdir()
     cert_a, key_a = self_signed(tmp_path / "a")
     cert_b, key_b = self_signed(tmp_path / "b")
     cert, key = tmp_path / "live" / "gateway.crt", tmp_path / "live" / "gateway.key"
     shutil.copy(cert_a, cert)
     shutil.copy(key_a, key)
+    return cert_a, key_a, cert_b, key_b, cert, key
+
+
+def test_sighup_reloads_the_certificate_and_a_bad_pair_keeps_the_old_one(tmp_path):
+    cert_a, key_a, cert_b, key_b, cert, key = _renewable_pair(tmp_path)
     keys = tmp_path / "keys.yml"
     keys.write_text(f"keys:\n  - name: tester\n    sha256: {hash_key(KEY)}\n")
     port = free_port()
@@ -85,12 +90,7 @@ def test_metrics_are_served_over_tls_and_a_renewed_certificate_reaches_them_on_s
     """With TLS on the API, /metrics answers TLS with the same certificate and nothing in
     plaintext; after SIGHUP (to the one process, or to the supervisor of two workers) its
     new connections get the renewed certificate, and the token still gets the metrics."""
-    (tmp_path / "live").mkdir()
-    cert_a, key_a = self_signed(tmp_path / "a")
-    cert_b, key_b = self_signed(tmp_path / "b")
-    cert, key = tmp_path / "live" / "gateway.crt", tmp_path / "live" / "gateway.key"
-    shutil.copy(cert_a, cert)
-    shutil.copy(key_a, key)
+    cert_a, _, cert_b, key_b, cert, key = _renewable_pair(tmp_path)
     keys = tmp_path / "keys.yml"
     keys.write_text(f"keys:\n  - name: tenant-alice\n    sha256: {hash_key(KEY)}\n")
     token = tmp_path / "metrics-token.sha256"
