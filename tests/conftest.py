@@ -61,6 +61,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return Together(config, log)
 
 
+# A test that measures something for the record (the rolling test's request counts)
+# keeps it as a user property named FIGURE; xdist carries those back from its workers,
+# and they are printed at the end of the run, passed or failed.
+FIGURE = "figure"
+
+
+def figures(reports: list[Any]) -> list[str]:
+    """"NODEID: TEXT" for each figure recorded by a test's call (in the order of the reports)."""
+    return [f"{report.nodeid}: {value}" for report in reports if getattr(report, "when", None) == "call"
+            for name, value in getattr(report, "user_properties", ()) if name == FIGURE]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    lines = figures([r for reports in terminalreporter.stats.values() for r in reports])
+    if lines:
+        terminalreporter.section("figures recorded by the tests")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from llmhost.tiny.model import write_tiny_model

@@ -1,10 +1,12 @@
 """How `make test` splits the tests between its two workers (tests/conftest.py): the
 system tests one unit, the e2e tests one unit, handed out first in that order; every
-other test file a unit of its own."""
+other test file a unit of its own. And the figures tests record, printed at the end."""
 
 from __future__ import annotations
 
-from tests.conftest import LAST, collection_order, handed_out_first, work_unit
+from types import SimpleNamespace
+
+from tests.conftest import FIGURE, LAST, collection_order, figures, handed_out_first, work_unit
 
 
 def test_system_and_e2e_tests_are_one_unit_each_and_other_files_their_own():
@@ -30,3 +32,15 @@ def test_the_module_that_rolls_the_session_host_runs_last_among_the_system_tests
     assert sorted(ids, key=collection_order) == [
         "tests/system/test_provision.py::a", "tests/system/test_security.py::b",
         "tests/system/test_gateway_two_hosts.py::test_roll", "tests/e2e/test_b.py::y", "tests/unit/test_a.py::x"]
+
+
+def test_figures_come_from_the_call_of_each_test_in_order():
+    reports = [
+        SimpleNamespace(nodeid="t.py::setup_only", when="setup", user_properties=[(FIGURE, "not from a setup")]),
+        SimpleNamespace(nodeid="t.py::roll", when="call", user_properties=[(FIGURE, "failed requests: 0 of 9"),
+                                                                           ("other", "not a figure")]),
+        SimpleNamespace(nodeid="t.py::none", when="call", user_properties=[]),
+        SimpleNamespace(nodeid="t.py::roll", when="call", user_properties=[(FIGURE, "truncated streams: 0")]),
+        SimpleNamespace(nodeid="t.py::warning"),  # a report of another kind: no phase, no properties
+    ]
+    assert figures(reports) == ["t.py::roll: failed requests: 0 of 9", "t.py::roll: truncated streams: 0"]
