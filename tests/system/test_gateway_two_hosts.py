@@ -41,6 +41,7 @@ import pytest
 import requests
 import yaml
 
+from tests.conftest import FIGURE
 from tests.harness.booted import NAME_PREFIX, BootedHost
 from tests.harness.net import free_port
 from tests.harness.paths import ROOT
@@ -484,9 +485,9 @@ def _recap_of(out: str, host: str) -> dict[str, int]:
 HOLD_TASK = "Hold this host out of every gateway's pool]"
 
 
-@pytest.mark.skipif(os.environ.get("LLMHOST_ROLLING_TEST") != "1",
-                    reason="about 35 minutes on a 2-core machine, past the CI budget: `make test-rolling`")
-def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_only: GatewayOnly, tmp_path: Path):
+def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_only: GatewayOnly, tmp_path: Path,
+                                                         record_property: Any):
+    """The counts of each phase are figures of the run (tests/conftest.py prints them)."""
     a, b, c = pair.a, pair.b, gateway_only
     admin_key = c.host.exec(["cat", ADMIN_KEY_FILE], check=True).stdout.strip()
     _wait_for("A and B in service on C", lambda: {t: u["state"] for t, u in _upstreams_on_c(c, admin_key).items()}
@@ -496,12 +497,19 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
     before_b = (_invocation(b), _model_json(b), _version(b))
     traffic = _Traffic(f"http://127.0.0.1:{c.port}", c.key)
     marks: list[tuple[str, float]] = []  # (what ran up to then, when it ended)
+
+    def roll(name: str, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        t0 = time.monotonic()
+        r = _roll(pair, c, tmp_path, name, *args, **kwargs)
+        record_property(FIGURE, f"rolling.yml ({name}): rc {r.returncode} in {time.monotonic() - t0:.0f} s")
+        return r
+
     traffic.start()
     try:
         time.sleep(3)
         began = time.monotonic()
         # 1. A change that breaks the first host: the roll stops there, B is not touched.
-        broken = _roll(pair, c, tmp_path, "broken", models=_models({"no_such_engine_argument": 1}))
+        broken = roll("broken", models=_models({"no_such_engine_argument": 1}))
         marks.append(("while the broken change stopped at A", time.monotonic()))
         out = broken.stdout
         assert broken.returncode != 0, out[-6000:]
@@ -519,7 +527,7 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
 
         # 2. The change that works, with a newer llmhost build: repairs A, then changes B.
         # Nothing rolls on after it fails: A would stay held and B be held too.
-        good = _roll(pair, c, tmp_path, "good", models=good_models, source_dir=newer)
+        good = roll("good", models=good_models, source_dir=newer)
         marks.append(("while the change rolled over A and B", time.monotonic()))
         assert good.returncode == 0, good.stdout[-8000:]
         versions = {"a": _version(a), "b": _version(b)}
@@ -531,7 +539,7 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
             pair.a_upstream: ("in_service", False), pair.b_upstream: ("in_service", False)}, upstreams
 
         # 3. The same again, on B: nothing to change, nobody held.
-        again = _roll(pair, c, tmp_path, "again", "--limit", b.host.name, models=good_models, source_dir=newer)
+        again = roll("again", "--limit", b.host.name, models=good_models, source_dir=newer)
         marks.append(("while the roll without a change ran on B", time.monotonic()))
         assert again.returncode == 0, again.stdout[-6000:]
         assert _recap_of(again.stdout, b.host.name)["changed"] == 0, changed_tasks(again.stdout)
@@ -539,13 +547,12 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
         assert not any(u["held"] for u in _upstreams_on_c(c, admin_key).values())
     finally:
         traffic.finish()
-        print()
         start = began if marks else time.monotonic()
         for what, end in marks:
-            print(f"{what}: {_counts(traffic.between(start, end))}")
+            record_property(FIGURE, f"{what}: {_counts(traffic.between(start, end))}")
             start = end
         everything = traffic.between(began, marks[-1][1]) if marks else []
-        print(f"all through C during the rolls: {_counts(everything)}")
+        record_property(FIGURE, f"all through C during the rolls: {_counts(everything)}")
 
     ends = [end for _, end in marks]
     assert all(len(traffic.between(t0, t1)) >= 4 for t0, t1 in zip([began, *ends], ends, strict=False)), marks
