@@ -424,7 +424,7 @@ def _models(tiny_engine_args: dict[str, Any]) -> list[dict[str, Any]]:
             for m in HOST_MODELS]
 
 
-def _roll(pair: Pair, c: GatewayOnly, work: Path, name: str, *args: str, models: list[dict[str, Any]],
+def _roll(pair: Pair, c: GatewayOnly, work: Path, record: Any, name: str, *args: str, models: list[dict[str, Any]],
           source_dir: Path = ROOT) -> subprocess.CompletedProcess[str]:
     """playbooks/rolling.yml over A then B (C in the group `gateway`), each inference host
     with the variables of its converge as host variables, MODELS and SOURCE_DIR for both."""
@@ -452,7 +452,7 @@ def _roll(pair: Pair, c: GatewayOnly, work: Path, name: str, *args: str, models:
     began = time.monotonic()
     r = run_playbook(inventory, extra_file, pair.a.host.pip_vars_file, "playbooks/rolling.yml", *args)
     (work / f"{name}.out").write_text(r.stdout + r.stderr)
-    print(f"\nrolling.yml ({name}): rc {r.returncode} in {time.monotonic() - began:.0f} s ({work / name}.out)")
+    record(FIGURE, f"rolling.yml ({name}): rc {r.returncode} in {time.monotonic() - began:.0f} s ({work / name}.out)")
     return r
 
 
@@ -500,18 +500,12 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
     traffic = _Traffic(f"http://127.0.0.1:{c.port}", c.key)
     marks: list[tuple[str, float]] = []  # (what ran up to then, when it ended)
 
-    def roll(name: str, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        t0 = time.monotonic()
-        r = _roll(pair, c, tmp_path, name, *args, **kwargs)
-        record_property(FIGURE, f"rolling.yml ({name}): rc {r.returncode} in {time.monotonic() - t0:.0f} s")
-        return r
-
     traffic.start()
     try:
         time.sleep(3)
         began = time.monotonic()
         # 1. A change that breaks the first host: the roll stops there, B is not touched.
-        broken = roll("broken", models=_models({"no_such_engine_argument": 1}))
+        broken = _roll(pair, c, tmp_path, record_property, "broken", models=_models({"no_such_engine_argument": 1}))
         marks.append(("while the broken change stopped at A", time.monotonic()))
         out = broken.stdout
         assert broken.returncode != 0, out[-6000:]
@@ -529,7 +523,7 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
 
         # 2. The change that works, with a newer llmhost build: repairs A, then changes B.
         # Nothing rolls on after it fails: A would stay held and B be held too.
-        good = roll("good", models=good_models, source_dir=newer)
+        good = _roll(pair, c, tmp_path, record_property, "good", models=good_models, source_dir=newer)
         marks.append(("while the change rolled over A and B", time.monotonic()))
         assert good.returncode == 0, good.stdout[-8000:]
         versions = {"a": _version(a), "b": _version(b)}
@@ -541,7 +535,8 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
             pair.a_upstream: ("in_service", False), pair.b_upstream: ("in_service", False)}, upstreams
 
         # 3. The same again, on B: nothing to change, nobody held.
-        again = roll("again", "--limit", b.host.name, models=good_models, source_dir=newer)
+        again = _roll(pair, c, tmp_path, record_property, "again", "--limit", b.host.name, models=good_models,
+                      source_dir=newer)
         marks.append(("while the roll without a change ran on B", time.monotonic()))
         assert again.returncode == 0, again.stdout[-6000:]
         assert _recap_of(again.stdout, b.host.name)["changed"] == 0, changed_tasks(again.stdout)
