@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-restarts", type=int, default=5, metavar="N",
                    help="restart a tritonserver that exits unasked at most N times within 10 minutes "
                         "(default 5, like the systemd unit; 0: never)")
+    s.add_argument("--start-timeout", type=_positive, default=600, metavar="SECONDS",
+                   help="a tritonserver that does not answer this long after its start is taken as hung, "
+                        "killed and started again (a restart within --max-restarts; default 600)")
 
     k = sub.add_parser("smoke", help="check that an endpoint serves; exit 1 naming what failed")
     k.add_argument("--url", default="http://127.0.0.1:8000", help="Triton HTTP URL")
@@ -318,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             multi_lora=args.multi_lora,
         )
         try:
-            return run(opts, max_restarts=args.max_restarts)
+            return run(opts, start_timeout_s=args.start_timeout, max_restarts=args.max_restarts)
         except (LayoutError, AdminKeyError, PlacementError) as exc:
             print(f"llmhost serve: {exc}", file=sys.stderr)
             return 2

@@ -85,6 +85,22 @@ def test_unit_binds_inference_and_metrics_apart_and_restricts_admin_apis(
     assert "RuntimeDirectoryMode=0750" in unit.splitlines()
 
 
+def test_a_start_that_never_answers_fails_within_the_ready_timeout(tmp_path: Path) -> None:
+    """The unit's start ends once tritonserver answers on its HTTP address (the start
+    check, run with the venv's python), bounded by triton_service_ready_timeout_s;
+    systemd's own start timeout leaves the check time to say so first."""
+    unit = _render(tmp_path, "triton", str(REPO / "roles" / "triton" / "templates" / "tritonserver.service.j2"),
+                   {"llmhost_venv_dir": str(VENV), "triton_http_port": 18000, "triton_service_ready_timeout_s": 420})
+    lines = unit.splitlines()
+    posts = [shlex.split(ln.removeprefix("ExecStartPost=")) for ln in lines if ln.startswith("ExecStartPost=")]
+    assert posts == [[f"{VENV}/bin/python", "-I", "-m", "llmhost.server.startcheck",
+                      "--url", "http://127.0.0.1:18000", "--timeout-s", "420"]], unit
+    assert "TimeoutStartSec=450" in lines and "Restart=always" in lines, unit
+    # The check's arguments are the ones it takes.
+    from llmhost.server import startcheck
+    assert startcheck.main([*posts[0][4:6], "--timeout-s", "0.5"]) == 1
+
+
 def test_grpc_over_tls_gets_the_certificate_as_credentials(tmp_path: Path) -> None:
     cert, key = tmp_path / "grpc.crt", tmp_path / "grpc.key"
     cert.write_text("certificate\n")

@@ -15,6 +15,7 @@ import http.client
 import http.server
 import json
 import re
+import shlex
 import subprocess
 import tarfile
 import threading
@@ -35,7 +36,9 @@ from tests.system._converge import HOST_MODELS, Converged, run_playbook
 from tests.system._unit import MODEL, USER, endpoint, processes, props, shm_segments, unit_pids, wait_ready
 
 # Generous bounds that define the behaviour, not performance targets.
-RECOVERY_TIMEOUT_S = 300  # triton_service_ready_timeout_s: how long the play itself waits
+# How long the play itself waits for tritonserver: one start of triton_service_ready_timeout_s
+# (300 s) that hangs, RestartSec (10 s), and the next start (roles/triton/vars: _triton_service_live_wait_s).
+RECOVERY_TIMEOUT_S = 2 * 300 + 10 + 30
 STREAM_TOKENS = 450  # the tiny model's max_model_len is 512
 # 16 streams of 300 tokens took about 13 s on 2 cores alone; 200 keep them well within
 # the drain timeout (30 s) while another test worker shares the cores.
@@ -95,6 +98,53 @@ def test_sigkill_of_tritonserver_restarts_it_without_orphans_or_shm(converged: C
     print(f"\nSIGKILL -> ready again in {recovery_s:.1f} s (RestartSec "
           f"{props(host, 'RestartUSec')['RestartUSec']}); {len(old_pids)} processes and "
           f"{len(old_shm)} shm segments of the killed instance, none left")
+
+
+# A start bound short enough for a test; the unit's is triton_service_ready_timeout_s.
+HUNG_START_BOUND_S = 30
+
+
+def test_a_start_that_never_answers_is_failed_and_started_again(converged: Converged):
+    """A tritonserver stuck in its start (here: stopped with SIGSTOP before it answers,
+    as a load wedged in Triton's python backend leaves it: alive, never answering) is
+    failed by the unit's start check, killed, and started again by systemd; the next
+    start serves. The check's bound is shortened by a runtime drop-in for the test."""
+    host = converged.host
+    assert wait_ready(converged.triton_http, timeout_s=RECOVERY_TIMEOUT_S)
+    unit = host.exec(["cat", "/etc/systemd/system/tritonserver.service"], check=True).stdout
+    (post,) = [ln for ln in unit.splitlines() if ln.startswith("ExecStartPost=")]
+    assert "-m llmhost.server.startcheck" in post, post
+    short = re.sub(r"--timeout-s \d+", f"--timeout-s {HUNG_START_BOUND_S}", post)
+    dropin = "/run/systemd/system/tritonserver.service.d"
+    conf = f"[Service]\nExecStartPost=\n{short}\nTimeoutStartSec={HUNG_START_BOUND_S + 30}\n"
+    before = props(host, "MainPID", "NRestarts")
+    host.exec(["mkdir", "-p", dropin], check=True)
+    host.exec(f"printf %s {shlex.quote(conf)} > {dropin}/zz-test-start-bound.conf", check=True)
+    try:
+        host.exec(["systemctl", "daemon-reload"], check=True)
+        host.exec(["systemctl", "restart", "--no-block", "tritonserver"], check=True)
+        deadline, stuck = time.monotonic() + 120, ""
+        while time.monotonic() < deadline and stuck in ("", "0", before["MainPID"]):
+            stuck = props(host, "MainPID")["MainPID"]
+            time.sleep(0.2)
+        host.exec(["kill", "-STOP", stuck], check=True)
+        t0 = time.monotonic()
+        assert props(host, "ActiveState")["ActiveState"] == "activating"
+        # The check gives up after its bound; systemd kills the stopped server and starts anew.
+        assert wait_ready(converged.triton_http, timeout_s=RECOVERY_TIMEOUT_S), host.exec(
+            "journalctl -u tritonserver -n 60 --no-pager").stdout
+        recovered_s = time.monotonic() - t0
+        after = props(host, "MainPID", "NRestarts", "ActiveState")
+        log = host.exec("journalctl -u tritonserver --no-pager -o cat -n 600").stdout
+    finally:
+        host.exec(["rm", "-rf", dropin])
+        host.exec(["systemctl", "daemon-reload"])
+    assert "did not answer at http://127.0.0.1:" in log and f"within {HUNG_START_BOUND_S} s" in log, log[-3000:]
+    assert after["ActiveState"] == "active" and after["MainPID"] not in (stuck, before["MainPID"]), (after, stuck)
+    assert int(after["NRestarts"]) >= int(before["NRestarts"]) + 1, (before, after)
+    assert str(stuck) not in {str(p) for p in unit_pids(host)}
+    print(f"\nstart stuck (SIGSTOP) -> failed after its {HUNG_START_BOUND_S} s bound and serving again "
+          f"{recovered_s:.1f} s after the stop")
 
 
 # Acceptance bound: the unit serves again within 2 minutes of its EngineCore's death.
@@ -324,7 +374,7 @@ def test_stop_drains_streams_in_flight_then_stops(converged: Converged):
         if stopper.poll() is None:
             stopper.kill()
         t1 = time.monotonic()
-        host.exec(["systemctl", "start", "tritonserver"], check=True)
+        host.exec(["systemctl", "start", "--no-block", "tritonserver"], check=True)
         ready = wait_ready(converged.triton_http, timeout_s=RECOVERY_TIMEOUT_S)
         start_s = time.monotonic() - t1
     assert ready, host.exec("journalctl -u tritonserver -n 60 --no-pager").stdout

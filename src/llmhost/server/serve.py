@@ -36,6 +36,7 @@ from llmhost.server.admin_key import HEADER as ADMIN_HEADER
 from llmhost.server.admin_key import ensure_key_file, restriction
 from llmhost.server.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir, render
 from llmhost.server.placement import plan
+from llmhost.server.startcheck import answers
 from llmhost.server.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop, remove_stop_files
 from llmhost.server.stopserver import free_http_port
 
@@ -233,6 +234,10 @@ def wait_ready(url: str, model: str, timeout_s: float, proc: subprocess.Popen[by
     return False
 
 
+# How long a start may take until tritonserver answers (the unit's is
+# triton_service_ready_timeout_s); longer is taken as a start that hangs.
+DEFAULT_START_TIMEOUT_S = 600.0
+
 # Like the unit's StartLimitBurst/StartLimitIntervalSec: at most this many
 # restarts within this many seconds, then give up.
 RESTART_BURST = 5
@@ -270,10 +275,13 @@ def _say(message: str) -> None:
     print(f"llmhost serve: {message}", file=sys.stderr, flush=True)
 
 
-def run(opts: ServeOptions, ready_timeout_s: float = 600, max_restarts: int = RESTART_BURST) -> int:
+def run(opts: ServeOptions, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, max_restarts: int = RESTART_BURST) -> int:
     """Run tritonserver until SIGINT/SIGTERM; like systemd with Restart=always, a
     tritonserver that exits unasked after it was ready is restarted (after its
-    leftovers are reaped), at most MAX_RESTARTS times within RESTART_INTERVAL_S."""
+    leftovers are reaped), at most MAX_RESTARTS times within RESTART_INTERVAL_S.
+    Like the unit's start check (llmhost.server.startcheck), one that does not
+    answer at all within START_TIMEOUT_S is taken as a start that hangs: it is
+    killed and started again, within the same limit."""
     cmd, env, workdir = prepare(opts)
     _become_subreaper()
     stopping = threading.Event()
@@ -298,9 +306,16 @@ def run(opts: ServeOptions, ready_timeout_s: float = 600, max_restarts: int = RE
     signal.signal(signal.SIGTERM, forward)
     url = f"http://{opts.host}:{opts.http_port}"
 
-    def announce(proc: subprocess.Popen[bytes], served: threading.Event) -> None:
-        if wait_ready(url, opts.name, ready_timeout_s, proc):
+    def announce(proc: subprocess.Popen[bytes], served: threading.Event, hung: threading.Event) -> None:
+        if wait_ready(url, opts.name, start_timeout_s, proc):
             served.set()
+        elif proc.poll() is None and not stopping.is_set() and not answers(url):
+            # Not a model that failed to load (the server would answer then): a start that hangs.
+            hung.set()
+            _say(f"tritonserver did not answer at {url} within {start_timeout_s:g} s (--start-timeout): "
+                 "taken as a start that hangs; killing it to start it again")
+            with contextlib.suppress(OSError):
+                proc.kill()
         if served.is_set() and not stopping.is_set():
             body = json.dumps({"text_input": "def main():", "max_tokens": 32})
             print(
@@ -329,16 +344,16 @@ def run(opts: ServeOptions, ready_timeout_s: float = 600, max_restarts: int = RE
         current[:] = [proc]
         if stopping.is_set():  # a signal that came while no tritonserver ran
             proc.send_signal(signal.SIGTERM)
-        served = threading.Event()
-        threading.Thread(target=announce, args=(proc, served), daemon=True).start()
+        served, hung = threading.Event(), threading.Event()
+        threading.Thread(target=announce, args=(proc, served, hung), daemon=True).start()
         rc = proc.wait()
         reaped = reap_leftovers()
         if reaped:
             print(f"llmhost serve: reaped {len(reaped)} leftover process(es): {reaped}", file=sys.stderr, flush=True)
         if stopping.is_set():
             return 0 if rc in (0, -signal.SIGTERM) else rc
-        why = exit_reason(rc)
-        if not served.is_set():
+        why = f"did not answer within {start_timeout_s:g} s" if hung.is_set() else exit_reason(rc)
+        if not served.is_set() and not hung.is_set():
             # A start that failed (a port in use, a model that does not load) would fail again.
             print(f"llmhost serve: tritonserver {why} before it was ready; not restarting it",
                   file=sys.stderr, flush=True)

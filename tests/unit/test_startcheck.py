@@ -1,0 +1,211 @@
+"""A start that never answers is failed (llmhost.server.startcheck, the unit's
+ExecStartPost) and restarted by `llmhost serve`; one that answers, or answers with a
+model that failed to load, is not. Against real processes on loopback ports: a
+server that answers like Triton's health API, and one that accepts connections and
+never answers (what a tritonserver stuck in a model's load looks like: its port is
+not even open; a silent one is the harder case)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmhost.server import startcheck
+from tests.harness.net import free_port
+
+# Answers GET /v2/health/live with 200 and /v2/models/<name>/ready with MODEL_STATUS.
+ANSWERING = r"""
+import http.server, sys
+port, model_status = int(sys.argv[1]), int(sys.argv[2])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        code = 200 if self.path == "/v2/health/live" else model_status if self.path.endswith("/ready") else 404
+        self.send_response(code); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+# Accepts connections and never answers.
+SILENT = r"""
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(64)
+kept = []
+while True:
+    kept.append(s.accept()[0])
+"""
+
+
+def _spawn(script: str, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", script, *args])
+
+
+def _listening(port: int, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"nothing listens on {port}")
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_an_answering_server_passes_at_once(procs):
+    port = free_port()
+    procs.append(_spawn(ANSWERING, str(port), "200"))
+    _listening(port)
+    t0 = time.monotonic()
+    assert startcheck.main(["--url", f"http://127.0.0.1:{port}", "--timeout-s", "30"]) == 0
+    assert time.monotonic() - t0 < 25
+
+
+def test_a_server_that_answers_only_later_passes_once_it_answers(procs):
+    port = free_port()
+
+    def start_late() -> bool:
+        if not procs:
+            procs.append(_spawn(ANSWERING, str(port), "200"))
+        return False
+
+    calls = []
+
+    def probe(url: str) -> bool:
+        calls.append(url)
+        return len(calls) > 2 and startcheck.answers(url)
+
+    assert startcheck.wait_until_answering(f"http://127.0.0.1:{port}", 60, gone=start_late, poll_s=0.2, probe=probe)
+    assert len(calls) >= 3
+
+
+@pytest.mark.parametrize("kind", ["silent", "closed"])
+def test_a_server_that_never_answers_fails_naming_the_bound(procs, capsys, kind):
+    port = free_port()
+    if kind == "silent":
+        procs.append(_spawn(SILENT, str(port)))
+        _listening(port)
+    assert startcheck.main(["--url", f"http://127.0.0.1:{port}", "--timeout-s", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "did not answer" in err and "within 3 s" in err and "triton_service_ready_timeout_s" in err, err
+
+
+def test_the_wait_ends_when_the_server_is_gone():
+    ticks = iter(range(1000))
+    assert not startcheck.wait_until_answering("http://127.0.0.1:9", 600, gone=lambda: True,
+                                               clock=lambda: float(next(ticks)), sleep=lambda _s: None,
+                                               probe=lambda _u: False)
+
+
+def test_the_bound_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exc:
+        startcheck.main(["--url", "http://127.0.0.1:9", "--timeout-s", "0"])
+    assert exc.value.code == 2 and "--timeout-s must be > 0" in capsys.readouterr().err
+
+
+# `llmhost serve`'s loop with a stand-in for tritonserver: the first start never answers
+# (it only sleeps), the next answers like a served model. The real run() (its signal
+# handling, restart limit, leftovers reaping), only prepare() replaced.
+SERVE = r"""
+import sys
+from pathlib import Path
+from llmhost.server import serve
+
+work, port, first = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+fake = work / "fake_tritonserver.py"
+fake.write_text('''
+import sys
+from pathlib import Path
+marker, port, first, answering = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+if first == "hang" and not marker.exists():
+    marker.write_text("started once")
+    import time
+    time.sleep(3600)
+model_status = "400" if first == "model-fails" else "200"
+sys.argv = ["answering", port, model_status]
+exec(Path(answering).read_text())
+''')
+answering = work / "answering.py"
+answering.write_text(sys.argv[4])
+serve.prepare = lambda opts: ([sys.executable, str(fake), str(work / "marker"), str(port), first, str(answering)],
+                              dict(__import__("os").environ), work)
+opts = serve.ServeOptions(model=work, name="tiny", http_port=port)
+sys.exit(serve.run(opts, start_timeout_s=3, max_restarts=2))
+"""
+
+
+def _serve(tmp_path: Path, first: str) -> tuple[subprocess.Popen[str], int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(tmp_path), str(port), first, ANSWERING],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return proc, port
+
+
+def _stop(proc: subprocess.Popen[str]) -> str:
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    return out
+
+
+def test_serve_kills_a_start_that_never_answers_and_starts_it_again(tmp_path):
+    proc, port = _serve(tmp_path, "hang")
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not startcheck.answers(f"http://127.0.0.1:{port}"):
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.2)
+        assert startcheck.answers(f"http://127.0.0.1:{port}")
+        time.sleep(1.5)  # serve's readiness poll is once a second
+    finally:
+        out = _stop(proc)
+    assert (tmp_path / "marker").exists()
+    assert "taken as a start that hangs" in out and "did not answer within 3 s; restarting it" in out, out
+    assert "llmhost serve: ready." in out, out
+    assert proc.returncode == 0, out
+
+
+def test_serve_does_not_restart_a_server_that_answers_with_a_model_that_failed(tmp_path):
+    proc, port = _serve(tmp_path, "model-fails")
+    try:
+        _listening(port)
+        time.sleep(6)  # twice the start timeout
+        assert proc.poll() is None, proc.communicate()[0]
+    finally:
+        out = _stop(proc)
+    assert "hangs" not in out and "restarting" not in out and "ready." not in out, out
+    assert out.count("starting tritonserver") == 1, out
+
+
+def test_serve_kills_a_hung_start_and_stops_at_its_restart_limit(tmp_path):
+    """Every start hangs (the marker is removed before each): after max_restarts, serve gives up."""
+    port = free_port()
+    script = SERVE.replace('if first == "hang" and not marker.exists():', 'if first == "hang":')
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(port), "hang", ANSWERING],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out
+    assert out.count("taken as a start that hangs") == 3, out
+    assert "not restarting it: 2 restart(s)" in out, out
+
