@@ -1,8 +1,8 @@
 """What the python_env role puts on a host for the llmhost package. The role's own tasks
-that choose the files run for real on this machine (connection local); its copy task
-copies exactly that list to the same relative paths, which the test does the same way
-into a temporary directory, then builds the copied tree into a wheel as the host's pip
-does.
+that choose the files run for real on this machine (connection local); its pack step
+(files/pack_llmhost_sources.py, with the argv of its task) archives exactly that list,
+and the archive is unpacked into a temporary directory as the host's unarchive does,
+then the unpacked tree is built into a wheel as the host's pip does.
 
 The host gets pyproject.toml and src/llmhost, nothing of lab/ or tests/, and the wheel
 holds every module of the package with its templates and data.
@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -28,6 +29,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the role's tasks run 
 TASKS = ROLES / "python_env" / "tasks" / "llmhost.yml"
 FIRST_HOST_TASK = "Read the digest of the installed llmhost sources"
 COPY_TASK = "Copy the llmhost sources"
+PACK_TASK = "Pack the llmhost sources on the controller"
+PACKER = ROLES / "python_env" / "files" / "pack_llmhost_sources.py"
 PACKAGE = REPO / "src" / "llmhost"
 
 
@@ -44,15 +47,23 @@ def _every_task(tasks: list[dict]) -> list[dict]:
     return [inner for t in tasks for inner in ([t] if "block" not in t else _every_task(t["block"]))]
 
 
-def test_the_copy_task_copies_the_chosen_files_and_nothing_else():
-    """What the fixture below relies on: one copy per listed file, to the same relative path."""
+def test_the_sources_reach_the_host_as_one_archive_of_the_chosen_files():
+    """What the fixture below relies on: the pack step archives the role's own list, and
+    the one unarchive puts that archive into the source directory; nothing else copies
+    a file of the checkout."""
     every = _every_task(_tasks())
+    (pack,) = [t for t in every if t.get("name") == PACK_TASK]
+    cmd = " ".join(pack["ansible.builtin.script"]["cmd"].split())
+    head = "{{ ([llmhost_source_dir, _python_env_src_scratch.path ~ '/llmhost-src.tar']"
+    assert cmd.startswith(f"{PACKER.name} {head}"), cmd
+    assert cmd.endswith("+ _python_env_src_files) | map('quote') | join(' ') }}"), cmd
+    assert pack["ansible.builtin.script"]["executable"] == "{{ ansible_playbook_python }}"
+    assert pack["delegate_to"] == "localhost"
     (copy,) = [t for t in every if t.get("name") == COPY_TASK]
-    assert copy["loop"] == "{{ _python_env_src_files }}"
-    assert copy["ansible.builtin.copy"]["src"] == "{{ llmhost_source_dir }}/{{ item }}"
-    assert copy["ansible.builtin.copy"]["dest"] == "{{ _python_env_src_dir }}/{{ item }}"
+    assert copy["ansible.builtin.unarchive"]["src"] == "{{ _python_env_src_scratch.path }}/llmhost-src.tar"
+    assert copy["ansible.builtin.unarchive"]["dest"] == "{{ _python_env_src_dir }}"
     copies = [t for t in every if "ansible.builtin.copy" in t and "src" in t["ansible.builtin.copy"]]
-    assert copies == [copy]
+    assert copies == []
 
 
 def test_the_sources_are_copied_only_when_the_installed_build_is_not_the_checkouts():
@@ -62,7 +73,7 @@ def test_the_sources_are_copied_only_when_the_installed_build_is_not_the_checkou
     (decide,) = [t for t in tasks if "_python_env_src_stale" in t.get("ansible.builtin.set_fact", {})]
     rule = decide["ansible.builtin.set_fact"]["_python_env_src_stale"]
     assert "_python_env_step_llmhost_missing" in rule and "!= _python_env_src_digest" in rule, rule
-    (block,) = [t for t in tasks if "block" in t and COPY_TASK in [b.get("name") for b in t["block"]]]
+    (block,) = [t for t in tasks if "block" in t and COPY_TASK in [b.get("name") for b in _every_task(t["block"])]]
     assert block["when"] == "_python_env_src_stale | bool"
     names = [b.get("name") for b in block["block"]]
     assert "Pip-install the llmhost sources" in names and "Record the digest of the installed sources" in names
@@ -84,10 +95,16 @@ def landed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     extra = {"llmhost_source_dir": str(REPO), "ansible_python_interpreter": sys.executable}
     run = ansible_playbook("-i", "localhost,", "-c", "local", "-e", json.dumps(extra), str(tmp / "play.yml"))
     assert run.rc == 0, run.output[-3000:]
+    archive = tmp / "llmhost-src.tar"
+    subprocess.run([sys.executable, "-I", str(PACKER), str(REPO), str(archive), *json.loads(listed.read_text())],
+                   check=True, timeout=120)
     dest = tmp / "src" / "llmhost"
-    for rel in json.loads(listed.read_text()):
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(REPO / rel, dest / rel)
+    dest.mkdir(parents=True)
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+        assert {(m.uid, m.gid, m.mode) for m in members if m.isfile()} == {(0, 0, 0o644)}
+        assert {(m.uid, m.gid, m.mode) for m in members if m.isdir()} == {(0, 0, 0o755)}
+        tar.extractall(dest, filter="data")
     return dest
 
 
@@ -127,3 +144,11 @@ def test_the_wheel_built_on_the_host_holds_the_package_alone(landed: Path, tmp_p
     assert modules - names == set()
     assert "llmhost/server/templates/tritonserver.args.j2" in names
     assert "llmhost/data/cuda_matrix.json" in names
+
+
+@pytest.mark.parametrize("name", ["../pyproject.toml", "/etc/passwd", "src/llmhost", "src/llmhost/no_such_module.py"])
+def test_the_pack_step_refuses_what_is_not_a_file_of_the_checkout(name: str, tmp_path: Path):
+    argv = [sys.executable, "-I", str(PACKER), str(REPO), str(tmp_path / "x.tar"), "pyproject.toml", name]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode != 0 and f"not a file under {REPO}: {name}" in proc.stderr, proc.stderr
+    assert not (tmp_path / "x.tar").exists()
