@@ -19,4 +19,4 @@ test-system: setup
 # The two-host module with the roll of playbooks/rolling.yml over two booted hosts under
 # load (not in `make test`: about 30 minutes more on a 2-core machine).
 test-rolling: setup
-	LLMHOST_ROLLING_TEST=1 $(ANSIBLE_ENV) $(VENV)/bin/pytest -q -s tests/system/test_gateway_two_hosts.py
+	$(ANSIBLE_ENV) $(VENV)/bin/pytest -q -s tests/system/test_gateway_two_hosts.py
