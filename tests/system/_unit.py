@@ -31,6 +31,16 @@ def wait_ready(url: str, model: str = MODEL, timeout_s: float = 300) -> bool:
     return True
 
 
+def wait_active(host: BootedHost, unit: str = UNIT, timeout_s: float = 30) -> str:
+    """The unit's ActiveState once it is "active", or the last one seen after TIMEOUT_S.
+    A start is over once the unit's start check has seen the server answer (it asks once
+    a second), so a server answers a moment before its unit is active."""
+    deadline = time.monotonic() + timeout_s
+    while (state := props(host, "ActiveState", unit=unit)["ActiveState"]) != "active" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return state
+
+
 def props(host: BootedHost, *names: str, unit: str = UNIT) -> dict[str, str]:
     return host.unit_props(unit, *names)
 

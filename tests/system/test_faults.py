@@ -33,7 +33,17 @@ from llmhost.smoke import parse_sse
 from tests.harness.booted import BootedHost
 from tests.harness.paths import ROOT
 from tests.system._converge import HOST_MODELS, Converged, run_playbook
-from tests.system._unit import MODEL, USER, endpoint, processes, props, shm_segments, unit_pids, wait_ready
+from tests.system._unit import (
+    MODEL,
+    USER,
+    endpoint,
+    processes,
+    props,
+    shm_segments,
+    unit_pids,
+    wait_active,
+    wait_ready,
+)
 
 # Generous bounds that define the behaviour, not performance targets.
 # How long the play itself waits for tritonserver: one start of triton_service_ready_timeout_s
@@ -81,8 +91,8 @@ def test_sigkill_of_tritonserver_restarts_it_without_orphans_or_shm(converged: C
         "journalctl -u tritonserver -n 60 --no-pager").stdout
     recovery_s = time.monotonic() - t0
 
+    assert wait_active(host) == "active"
     after = props(host, "MainPID", "NRestarts", "ActiveState")
-    assert after["ActiveState"] == "active"
     assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1, (before, after)
     assert after["MainPID"] != before["MainPID"]
     # No process of the killed instance is left, anywhere in the host.
@@ -154,9 +164,11 @@ def test_a_start_that_never_answers_is_failed_and_started_again(converged: Conve
         assert wait_ready(converged.triton_http, timeout_s=RECOVERY_TIMEOUT_S), host.exec(
             "journalctl -u tritonserver -n 60 --no-pager").stdout
         recovered_s = time.monotonic() - t0
+        assert wait_active(host) == "active"
         after = props(host, "MainPID", "NRestarts", "ActiveState")
-        assert after["ActiveState"] == "active" and after["MainPID"] not in (stuck, before["MainPID"]), (after, stuck)
-        assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1, (before, after)
+        assert after["MainPID"] not in (stuck, before["MainPID"]), (after, stuck)
+        # The manual restart set systemd's restart counter to 0; its own restart made it 1.
+        assert int(after["NRestarts"]) == 1, (before, after)
         assert int(stuck) not in unit_pids(host)
     finally:
         # Whatever happened, leave the host serving for the tests after this one.
@@ -203,8 +215,8 @@ def test_sigkill_of_engine_core_fails_requests_then_the_unit_restarts_without_or
                         json={"text_input": "ok", "max_tokens": 4}, timeout=60)
     assert out.status_code == 200 and "text_output" in out.json(), out.text
 
+    assert wait_active(host) == "active"
     after = props(host, "MainPID", "NRestarts", "ActiveState")
-    assert after["ActiveState"] == "active"
     assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1, (before, after)
     assert after["MainPID"] != before["MainPID"]
     survivors = {pid: args for pid, args in processes(host).items() if pid in old_pids}
@@ -323,6 +335,7 @@ def test_stop_drains_streams_in_flight_then_stops(converged: Converged):
     must close it once the model has drained, else the same happens."""
     host = converged.host
     assert wait_ready(converged.triton_http, timeout_s=RECOVERY_TIMEOUT_S)
+    assert wait_active(host) == "active"  # the stop below watches it leave "active"
     keep_alive = http.client.HTTPConnection("127.0.0.1", converged.ports["http"], timeout=30)
     keep_alive.request("GET", "/v2/health/live")
     assert keep_alive.getresponse().read() is not None  # answered; the connection stays open, idle
@@ -443,7 +456,7 @@ def test_bad_weights_fail_the_play_naming_the_models_while_the_others_serve(conv
             assert requests.get(f"{converged.triton_http}/v2/models/{name}/ready", timeout=10).status_code == 400
         # Strict readiness: the server as a whole is not ready, so a load balancer drains it.
         assert requests.get(f"{converged.triton_http}/v2/health/ready", timeout=10).status_code == 400
-        assert props(host, "ActiveState")["ActiveState"] == "active"
+        assert wait_active(host) == "active"
     finally:
         gone = [{**m, "state": "absent"} for m in bad]
         restore = run_playbook(converged.inventory, _vars(converged, tmp_path / "restore.json",
