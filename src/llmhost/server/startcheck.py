@@ -37,19 +37,16 @@ def answers(url: str, timeout_s: float = REQUEST_TIMEOUT_S) -> bool:
         return False
 
 
-def wait_until_answering(url: str, timeout_s: float, gone: Callable[[], bool] = lambda: False,
-                         poll_s: float = POLL_S, clock: Callable[[], float] = time.monotonic,
-                         sleep: Callable[[float], None] = time.sleep,
+def wait_until_answering(url: str, timeout_s: float, poll_s: float = POLL_S,
                          probe: Callable[[str], bool] = answers) -> bool:
-    """Poll URL until it answers (True), TIMEOUT_S passed or GONE() says the server
-    exited (False)."""
-    deadline = clock() + timeout_s
+    """Poll URL until it answers (True) or TIMEOUT_S passed (False)."""
+    deadline = time.monotonic() + timeout_s
     while True:
         if probe(url):
             return True
-        if gone() or clock() >= deadline:
+        if time.monotonic() >= deadline:
             return False
-        sleep(min(poll_s, max(0.0, deadline - clock())))
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
 def main(argv: list[str] | None = None) -> int:
