@@ -11,6 +11,9 @@ from tests.harness.endpoint import Endpoint
 from tests.system._converge import Converged
 
 UNIT = "tritonserver"
+# How long the play itself waits for tritonserver (roles/triton/vars: _triton_service_live_wait_s):
+# one start of triton_service_ready_timeout_s (300 s) that hangs, RestartSec (10 s), the next start.
+PLAY_WAIT_S = 2 * 300 + 10 + 30
 USER = "llmhost"
 MODEL = "tiny"
 

@@ -35,6 +35,7 @@ from tests.harness.paths import ROOT
 from tests.system._converge import HOST_MODELS, Converged, run_playbook
 from tests.system._unit import (
     MODEL,
+    PLAY_WAIT_S,
     USER,
     endpoint,
     processes,
@@ -46,9 +47,7 @@ from tests.system._unit import (
 )
 
 # Generous bounds that define the behaviour, not performance targets.
-# How long the play itself waits for tritonserver: one start of triton_service_ready_timeout_s
-# (300 s) that hangs, RestartSec (10 s), and the next start (roles/triton/vars: _triton_service_live_wait_s).
-RECOVERY_TIMEOUT_S = 2 * 300 + 10 + 30
+RECOVERY_TIMEOUT_S = PLAY_WAIT_S
 STREAM_TOKENS = 450  # the tiny model's max_model_len is 512
 # 16 streams of 300 tokens took about 13 s on 2 cores alone; 200 keep them well within
 # the drain timeout (30 s) while another test worker shares the cores.

@@ -54,9 +54,10 @@ from tests.system._converge import (
     recap,
     run_playbook,
 )
+from tests.system._unit import PLAY_WAIT_S
 
 MODEL = "tiny"
-READY_TIMEOUT_S = 2 * 300 + 10 + 30  # as the play waits: a start that hangs, RestartSec, the next start
+READY_TIMEOUT_S = PLAY_WAIT_S
 
 
 @dataclass
