@@ -54,7 +54,7 @@ TEST_WORKERS ?= 2
 test: setup monitoring-deps lint
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible" $(VENV)/bin/pytest \
 	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --basetemp "$$(mktemp -d /tmp/lt.XXXX)" \
-	  --durations=40 tests
+	  --durations=40 --tb=short tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -33,3 +33,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "/e2e/" in str(item.path):
             item.add_marker(pytest.mark.e2e)
+
+
+SERVER_LOG_LINES = 40
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test that used a server gets the end of that server's log in its report:
+    a server that died or restarted under it says so there (CI keeps no other trace)."""
+    report = yield
+    if report.failed and call.when == "call":
+        for name, value in getattr(item, "funcargs", {}).items():
+            if isinstance(value, Server):
+                alive = "running" if value.proc.poll() is None else f"exited with {value.proc.returncode}"
+                report.sections.append((f"{name} ({alive}): the last {SERVER_LOG_LINES} lines of {value.log}",
+                                        value.log_tail(SERVER_LOG_LINES)))
+    return report
