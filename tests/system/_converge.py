@@ -49,9 +49,9 @@ class Converged:
 
 
 def run_playbook(inventory: Path, extra_vars: Path, pip_vars: Path, playbook: str,
-                 *args: str) -> subprocess.CompletedProcess[str]:
+                 *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_FORCE_COLOR": "0"}
+           "ANSIBLE_FORCE_COLOR": "0", **(env or {})}
     return subprocess.run(
         [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "-e", f"@{ROOT / 'inventory' / 'demo.yml'}",
          "-e", f"@{pip_vars}", "-e", f"@{extra_vars}", *args, playbook],

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import pytest
 import requests
@@ -323,7 +324,7 @@ def test_the_gateway_only_host_converges_to_no_change(gateway_only: GatewayOnly)
 NEW_VERSION = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1] + ".post1"  # type: ignore[index]
 ADMIN_KEY_FILE = "/etc/llmhost/llmhost-gateway-admin-key"
 LOAD_MAX_TOKENS = 8
-LOAD_PAUSE_S = 0.3  # between one client's requests: the rolls share this machine's two cores
+LOAD_PAUSE_S = 1.0  # between one client's requests: the rolls share this machine's two cores
 
 
 @dataclass
@@ -451,10 +452,22 @@ def _roll(pair: Pair, c: GatewayOnly, work: Path, record: Any, name: str, *args:
     extra_file.write_text(json.dumps({**{k: f"{{{{ rolling_test_{k} }}}}" for k in shadowed},
                                       "llmhost_models": models, "llmhost_source_dir": str(source_dir)}))
     began = time.monotonic()
-    r = run_playbook(inventory, extra_file, pair.a.host.pip_vars_file, "playbooks/rolling.yml", *args)
+    junit = work / f"{name}-junit"  # Ansible's junit callback: how long each task took on each host
+    r = run_playbook(inventory, extra_file, pair.a.host.pip_vars_file, "playbooks/rolling.yml", *args,
+                     env={"ANSIBLE_CALLBACKS_ENABLED": "ansible.builtin.junit", "JUNIT_OUTPUT_DIR": str(junit),
+                          "JUNIT_INCLUDE_SETUP_TASKS_IN_REPORT": "yes", "JUNIT_HIDE_TASK_ARGUMENTS": "yes"})
     (work / f"{name}.out").write_text(r.stdout + r.stderr)
-    record(FIGURE, f"rolling.yml ({name}): rc {r.returncode} in {time.monotonic() - began:.0f} s ({work / name}.out)")
+    record(FIGURE, f"rolling.yml ({name}): rc {r.returncode} in {time.monotonic() - began:.0f} s ({work / name}.out); "
+                   f"slowest tasks: {_slowest_tasks(junit)}")
     return r
+
+
+def _slowest_tasks(junit: Path, n: int = 8) -> str:
+    """The N slowest tasks in the junit reports under JUNIT, and the time of all of them."""
+    times = [(float(case.get("time") or 0), case.get("name") or "?")
+             for report in sorted(junit.glob("*.xml")) for case in ElementTree.parse(report).iter("testcase")]
+    slowest = "; ".join(f"{name[:100]} {seconds:.0f} s" for seconds, name in sorted(times, reverse=True)[:n])
+    return f"{len(times)} tasks, {sum(t for t, _ in times):.0f} s in all: {slowest}"
 
 
 def _upstreams_on_c(c: GatewayOnly, key: str) -> dict[str, dict[str, Any]]:
