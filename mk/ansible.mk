@@ -17,6 +17,6 @@ test-system: setup
 	$(ANSIBLE_ENV) $(VENV)/bin/pytest -q tests/system
 
 # The two-host module with the roll of playbooks/rolling.yml over two booted hosts under
-# load (not in `make test`: about 30 minutes more on a 2-core machine).
+# load (not in `make test`: about 12 minutes more on a 2-core machine).
 test-rolling: setup
 	LLMHOST_ROLLING_TEST=1 $(ANSIBLE_ENV) $(VENV)/bin/pytest -q -s tests/system/test_gateway_two_hosts.py

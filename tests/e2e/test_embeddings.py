@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.harness.gateway import KEY, keyed_gateway, stop_gateway
+from tests.harness.net import CLIENT_TIMEOUT_S
 from tests.harness.server import Server, start_server, wait_gone
 from tests.harness.vllm_server import vllm_server
 
@@ -38,7 +39,7 @@ def clients(embedder: Server, tmp_path_factory: pytest.TempPathFactory) -> Itera
                            "--engine-sockets", f"{embedder.grpc}={embedder.engine_sockets}")
     grpc = keyed_gateway(embedder, tmp_path_factory.mktemp("embed-gateway-grpc"))
     try:
-        yield {name: openai.OpenAI(base_url=g.url, api_key=KEY, max_retries=0, timeout=120)
+        yield {name: openai.OpenAI(base_url=g.url, api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S)
                for name, g in (("socket", socket), ("grpc", grpc))}
     finally:
         stop_gateway(socket.proc, socket.log)
@@ -50,7 +51,7 @@ def theirs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     args = ["--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16", "--runner", "pooling",
             "--convert", "embed"]
     with vllm_server(tiny_model, tmp_path_factory.mktemp("vllm-serve-embed"), "embed", args) as vllm:
-        yield openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=120)
+        yield openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
 
 def _close(a: list[float], b: list[float]) -> bool:
@@ -88,7 +89,7 @@ def test_tritons_native_generate_answers_with_the_embedding(embedder: Server):
 def test_a_model_that_generates_text_refuses_embeddings(server, tmp_path):
     gateway = keyed_gateway(server, tmp_path)
     try:
-        client = openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S)
         with pytest.raises(openai.BadRequestError, match="generates text and has no embeddings"):
             client.embeddings.create(model=server.name, input="hello")
     finally:

@@ -19,7 +19,7 @@ import pytest
 
 from llmhost.gateway.keys import hash_key
 from tests.harness.gateway import KEY, Gateway, start_gateway, stop_gateway
-from tests.harness.net import free_port
+from tests.harness.net import CLIENT_TIMEOUT_S, free_port
 
 CAPPED_KEY = "capped-key-0123456789abcdef"
 LIMITED_KEY = "limited-key-0123456789abcdef"
@@ -56,12 +56,12 @@ def gateway(server, keys_file: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture
 def client(gateway: Gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
 
 @pytest.fixture
 def aclient(gateway: Gateway) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=120)
+    return openai.AsyncOpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
 
 def _chat(text: str = PROMPT) -> list[dict[str, str]]:

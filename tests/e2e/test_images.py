@@ -14,6 +14,7 @@ import pytest
 
 from llmhost.tiny.vision import QUERY_TOKENS, picture, write_tiny_vision_model
 from tests.e2e._client import generate, grpc_stream, texts
+from tests.harness.net import CLIENT_TIMEOUT_S
 from tests.harness.server import Server, start_server, wait_gone
 
 PROMPT = "what is in the picture?"
@@ -107,7 +108,7 @@ def vision_chat(vision_server: Server, tmp_path_factory: pytest.TempPathFactory)
                           "--engine-sockets", f"{vision_server.grpc}={vision_server.engine_sockets}")
     remote = keyed_gateway(vision_server, tmp_path_factory.mktemp("vision-gateway-remote"), "--allow-remote-images")
     try:
-        yield {name: openai.OpenAI(base_url=g.url, api_key=KEY, max_retries=0, timeout=120)
+        yield {name: openai.OpenAI(base_url=g.url, api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S)
                for name, g in (("plain", plain), ("remote", remote))} | {
             "url": f"http://127.0.0.1:{web.server_address[1]}/red.png"}
     finally:
@@ -164,7 +165,7 @@ def test_an_image_chat_matches_vllm_serve(vision_chat, vision_model, tmp_path_fa
                                              {"type": "image_url", "image_url": {"url": _data_url(RED)}},
                                              {"type": "text", "text": PROMPT}]}]
     with vllm_server(vision_model, tmp_path_factory.mktemp("vllm-vision"), "vision", ENGINE_ARGS) as vllm:
-        theirs = openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=120)
+        theirs = openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
         vllms = theirs.chat.completions.create(messages=messages, **CHAT)
     mine = vision_chat["plain"].chat.completions.create(messages=messages, **CHAT)
     assert mine.usage.prompt_tokens == vllms.usage.prompt_tokens, (mine.usage, vllms.usage)

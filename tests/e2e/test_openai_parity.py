@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.harness.gateway import KEY, keyed_gateway, openai_client, stop_gateway
+from tests.harness.net import CLIENT_TIMEOUT_S
 from tests.harness.vllm_server import vllm_server
 
 PROMPT = "def fibonacci(n):"
@@ -24,7 +25,7 @@ ENGINE_ARGS = ["--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16
 @pytest.fixture(scope="module")
 def theirs(tiny_model: Path, server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     with vllm_server(tiny_model, tmp_path_factory.mktemp("vllm-serve"), server.name, ENGINE_ARGS) as vllm:
-        yield openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=120)
+        yield openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,7 @@ def test_a_prompt_of_token_ids_matches_vllm_serve_on_both_paths(ours, theirs, se
     # The engine socket (ours) and gRPC (a gateway without sockets) give the same.
     grpc = keyed_gateway(server, tmp_path)
     try:
-        over_grpc = openai.OpenAI(base_url=grpc.url, api_key=KEY, max_retries=0, timeout=120)
+        over_grpc = openai.OpenAI(base_url=grpc.url, api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S)
         for client in (ours, over_grpc):
             mine = client.completions.create(**kw)
             assert mine.choices[0].text == vllms.choices[0].text

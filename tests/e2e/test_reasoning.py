@@ -15,6 +15,7 @@ import pytest
 
 from tests.e2e.test_openai_parity import ENGINE_ARGS
 from tests.harness.gateway import openai_client
+from tests.harness.net import CLIENT_TIMEOUT_S
 from tests.harness.server import Server, start_server, wait_gone
 from tests.harness.vllm_server import vllm_server
 
@@ -49,7 +50,7 @@ def ours(served: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[o
 def theirs(thinker: Path, ours: openai.OpenAI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     with vllm_server(thinker, tmp_path_factory.mktemp("vllm-thinker"), "thinker",
                      [*ENGINE_ARGS, "--reasoning-parser", PARSER]) as vllm:
-        yield openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=120)
+        yield openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
 
 KW: dict[str, Any] = {"model": "thinker", "messages": MESSAGES, "temperature": 0, "max_tokens": 16}

@@ -16,6 +16,7 @@ import pytest
 
 from tests.e2e.test_openai_parity import ENGINE_ARGS
 from tests.harness.gateway import openai_client
+from tests.harness.net import CLIENT_TIMEOUT_S
 from tests.harness.openai_checks import TIME, WEATHER
 from tests.harness.vllm_server import vllm_server
 
@@ -26,7 +27,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 def theirs(tiny_model: Path, server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     with vllm_server(tiny_model, tmp_path_factory.mktemp("vllm-tools"), server.name,
                      [*ENGINE_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as vllm:
-        yield openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=120)
+        yield openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

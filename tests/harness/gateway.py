@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from tests.harness.net import CLIENT_TIMEOUT_S
+
 # The key every e2e gateway's keys file lets in.
 KEY = "test-key-0123456789abcdef"
 
@@ -80,6 +82,6 @@ def openai_client(server: Any, work: Path) -> Iterator[Any]:
 
     gateway = keyed_gateway(server, work, "--engine-sockets", f"{server.grpc}={server.engine_sockets}")
     try:
-        yield openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=120)
+        yield openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S)
     finally:
         stop_gateway(gateway.proc, gateway.log)

@@ -43,6 +43,13 @@ def free_port() -> int:
     raise RuntimeError("no port on 127.0.0.1 that was not handed out already (after 200 tries per worker)")
 
 
+# How long a test's OpenAI client waits for an answer. Not a bound on speed: with both
+# workers busy (load 25-40 on 2 cores) a CPU engine step has taken over 60 s ("No available
+# shared memory broadcast block found in 60 seconds"), and a 120 s client then gave up on
+# a request that was answered.
+CLIENT_TIMEOUT_S = 600
+
+
 # The environment of the engines the tests start (ours and `vllm serve` alike): tool
 # calls forced by tool_choice are held to the tools' JSON schema, which the servers'
 # structured output makes without free whitespace, not to the tool parser's structural

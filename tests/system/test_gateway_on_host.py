@@ -112,7 +112,13 @@ def test_openai_client_gets_a_completion(converged: Converged):
     import openai
 
     client = openai.OpenAI(base_url=_base(converged), api_key=_key(converged), timeout=120, max_retries=0)
-    assert MODEL in [m.id for m in client.models.list()]
+    # The gateway lists a model once an upstream that serves it is in its pool: right after
+    # a fault test restarted tritonserver, it returns only after two passed checks.
+    deadline, listed = time.monotonic() + 120, []
+    while MODEL not in listed and time.monotonic() < deadline:
+        listed = [m.id for m in client.models.list()]
+        time.sleep(0 if MODEL in listed else 3)
+    assert MODEL in listed
     chat = client.chat.completions.create(model=MODEL, max_tokens=8,
                                           messages=[{"role": "user", "content": "def fibonacci(n):"}])
     print(f"\nchat completion through the gateway: {chat.choices[0].message.content!r} "
