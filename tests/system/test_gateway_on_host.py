@@ -22,6 +22,7 @@ import requests
 
 from llmhost.bench.promql import api
 from tests.harness import openai_checks
+from tests.harness.repository import wait_until
 from tests.system._converge import METRICS_ADDRESS, Converged
 from tests.system._unit import props
 
@@ -114,11 +115,10 @@ def test_openai_client_gets_a_completion(converged: Converged):
     client = openai.OpenAI(base_url=_base(converged), api_key=_key(converged), timeout=120, max_retries=0)
     # The gateway lists a model once an upstream that serves it is in its pool: right after
     # a fault test restarted tritonserver, it returns only after two passed checks.
-    deadline, listed = time.monotonic() + 120, []
-    while MODEL not in listed and time.monotonic() < deadline:
-        listed = [m.id for m in client.models.list()]
-        time.sleep(0 if MODEL in listed else 3)
-    assert MODEL in listed
+    def listed() -> list[str]:
+        return [m.id for m in client.models.list()]
+
+    assert wait_until(lambda: MODEL in listed(), 120, every_s=3), listed()
     chat = client.chat.completions.create(model=MODEL, max_tokens=8,
                                           messages=[{"role": "user", "content": "def fibonacci(n):"}])
     print(f"\nchat completion through the gateway: {chat.choices[0].message.content!r} "
