@@ -136,12 +136,12 @@ def _check_answer(status: int, text: str, request_text: str = "") -> None:
         assert "text_output" in data, data
 
 
-def fuzz_http_generate(server: Endpoint) -> dict[str, int]:
+def fuzz_http_generate(server: Endpoint, examples: int = EXAMPLES) -> dict[str, int]:
     session = requests.Session()
     url = f"{server.http}/v2/models/{server.name}/generate"
     seen = {"ok": 0, "error": 0}
 
-    @FUZZ
+    @settings(FUZZ, max_examples=examples)
     @given(body=bodies)
     def one(body: dict[str, Any]) -> None:
         if body.get("stream") is True:
@@ -188,13 +188,13 @@ def fuzz_http_generate_stream(server: Endpoint) -> int:
     return seen[0]
 
 
-def fuzz_grpc(server: Endpoint) -> dict[str, int]:
+def fuzz_grpc(server: Endpoint, examples: int = EXAMPLES) -> dict[str, int]:
     client = grpcclient.InferenceServerClient(server.grpc)
     results: queue.Queue[tuple[Any, Any]] = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     counts = {"ok": 0, "error": 0}
 
-    @FUZZ
+    @settings(FUZZ, max_examples=examples)
     @given(text=st.one_of(st.binary(max_size=64), st.text(max_size=64).map(str.encode)),
            params=st.one_of(st.binary(max_size=20), deep_json.map(str.encode),
                             st.dictionaries(st.sampled_from(KNOWN), json_values, max_size=3)

@@ -515,8 +515,6 @@ def _recap_of(out: str, host: str) -> dict[str, int]:
 HOLD_TASK = "Hold this host out of every gateway's pool]"
 
 
-@pytest.mark.skipif(os.environ.get("LLMHOST_ROLLING_TEST") != "1",
-                    reason="about 12 minutes more on a 2-core machine, too close to the CI budget: `make test-rolling`")
 def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_only: GatewayOnly, tmp_path: Path,
                                                          record_property: Any):
     """The counts of each phase are figures of the run (tests/conftest.py prints them)."""

@@ -1,8 +1,11 @@
 """Bad input at scale and a short load against the booted host's tritonserver unit,
-the way clients reach a real server: the e2e fuzzer (tests/harness/fuzz.py, 2,000
-cases per endpoint for HTTP /generate and gRPC), 100 clients disconnecting
-mid-stream, and 30 s at concurrency 32 with zero errors and the memory of the
-unit's control group bounded. The unit must neither restart nor crash meanwhile."""
+the way clients reach a real server: the e2e fuzzer (tests/harness/fuzz.py; here
+HOST_EXAMPLES cases per endpoint for HTTP /generate and gRPC, to show the hardened
+unit (its system call filter, its sandbox) answers them like a local server; the
+e2e tests run the full FUZZ_EXAMPLES through the same backend), 100 clients
+disconnecting mid-stream, and 30 s at concurrency 32 with zero errors and the
+memory of the unit's control group bounded. The unit must neither restart nor
+crash meanwhile."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from tests.system._converge import Converged
 from tests.system._unit import endpoint, props, unit_rss_mib, wait_ready
 
 LOAD_S = 30
+HOST_EXAMPLES = min(EXAMPLES, 300)
 
 
 @pytest.fixture
@@ -30,15 +34,15 @@ def serving(converged: Converged) -> Iterator[Endpoint]:
 
 
 def test_fuzz_http_generate_on_host(serving: Endpoint):
-    seen = fuzz_http_generate(serving)
+    seen = fuzz_http_generate(serving, HOST_EXAMPLES)
     print(f"\nHTTP /generate on the host: {sum(seen.values())} cases, {seen}")
-    assert sum(seen.values()) >= EXAMPLES
+    assert sum(seen.values()) >= HOST_EXAMPLES
 
 
 def test_fuzz_grpc_on_host(serving: Endpoint):
-    seen = fuzz_grpc(serving)
+    seen = fuzz_grpc(serving, HOST_EXAMPLES)
     print(f"\ngRPC stream on the host: {sum(seen.values())} cases, {seen}")
-    assert sum(seen.values()) >= EXAMPLES
+    assert sum(seen.values()) >= HOST_EXAMPLES
 
 
 def test_100_clients_disconnecting_mid_stream_on_host(serving: Endpoint):
