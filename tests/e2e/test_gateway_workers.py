@@ -5,12 +5,14 @@ SIGTERM ends them all."""
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -52,15 +54,20 @@ def _workers(gateway: Gateway) -> list[int]:
 
 
 def _chat(gateway: Gateway, model: str, key: str = KEY, max_tokens: int = 4, stream: bool = False
-          ) -> tuple[int, int]:
-    """(status, streamed completion chunks) of one completion on a connection of its own."""
-    body = {"model": model, "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+          ) -> tuple[int, int, int]:
+    """(status, streamed events with a choice, completion tokens of the streamed usage) of
+    one completion on a connection of its own; (status, 0, 0) when not streamed."""
+    body: dict[str, Any] = {"model": model, "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True,
+                            "stream": stream}
     with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as c:
         if not stream:
-            return c.post("/completions", json=body).status_code, 0
+            return c.post("/completions", json=body).status_code, 0, 0
+        body["stream_options"] = {"include_usage": True}
         with c.stream("POST", "/completions", json=body) as r:
-            events = sum(1 for line in r.iter_lines() if line.startswith('data: {"id"'))
-            return r.status_code, events
+            chunks = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: {")]
+            usage = [chunk["usage"] for chunk in chunks if chunk.get("usage")]
+            return (r.status_code, sum(1 for chunk in chunks if chunk.get("choices")),
+                    usage[-1]["completion_tokens"] if usage else 0)
 
 
 def _admin(gateway: Gateway, path: str, method: str = "GET") -> dict:
@@ -74,7 +81,11 @@ def _admin(gateway: Gateway, path: str, method: str = "GET") -> dict:
 def test_the_workers_run_and_stream(gateway, server):
     assert len(_workers(gateway)) == WORKERS, gateway.log.read_text()
     results = [_chat(gateway, server.name, max_tokens=6, stream=True) for _ in range(8)]
-    assert results == [(200, 6)] * 8  # one event per token, on whichever worker took the connection
+    # Every stream whole, on whichever worker took the connection: its 6 tokens in one event
+    # per engine step. vLLM hands over the steps its consumer has not taken yet as one output,
+    # so on a loaded machine an event may carry two tokens: fewer events then, never more.
+    assert [(status, tokens) for status, _, tokens in results] == [(200, 6)] * 8, results
+    assert all(1 <= events <= 6 for _, events, _ in results), results
 
 
 def test_a_keys_concurrent_requests_are_counted_across_workers(gateway, server):
