@@ -107,3 +107,31 @@ def test_an_embedding_model_is_checked_by_its_embedding(answer, ok):
         assert handler.paths == ["/v2/models/embed/generate"]
     else:
         assert "expected an embedding" in by_name["generate"].detail
+
+
+def test_a_stream_in_one_chunk_is_tried_again_and_fails_only_twice_in_a_row():
+    from llmhost.smoke import OneChunkStream, _run, again_if_one_chunk
+
+    answers = iter([OneChunkStream("16 tokens in one event"), "16 events, 16 tokens"])
+
+    def busy_once() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    check = _run("stream", again_if_one_chunk(busy_once))
+    assert check.ok and check.detail == "16 events, 16 tokens (the try before: 16 tokens in one event)", check
+
+    def never_streams() -> str:
+        raise OneChunkStream("16 tokens in one event")
+
+    check = _run("stream", again_if_one_chunk(never_streams))
+    assert not check.ok and check.detail == "OneChunkStream: 16 tokens in one event", check
+
+    def wrong() -> str:
+        raise RuntimeError("stream reported 3 tokens, expected 16")
+
+    calls = []
+    check = _run("stream", again_if_one_chunk(lambda: calls.append(1) or wrong()))
+    assert not check.ok and len(calls) == 1, (check, calls)  # other failures are not tried again
