@@ -49,7 +49,9 @@ def _per_step(events: list[dict[str, Any]], tokens: int) -> None:
     counts = _counts(events)
     assert sum(counts) == tokens, counts
     assert statistics.median(counts) == 1, counts  # the typical response is one engine step: one token
-    assert len(events) > tokens // 2, counts
+    # Not the half: on a loaded machine a backlog at the start merges a few dozen steps
+    # (seen: 200 tokens in 97 responses, the first four carrying 15, 7, 2 and 14).
+    assert len(events) > tokens // 4, counts
 
 
 def _grouped(events: list[dict[str, Any]], tokens: int) -> None:
