@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmhost.gateway.keys import hash_key
 from tests.harness.gateway import KEY, Gateway, start_gateway, stop_gateway
-from tests.harness.net import free_port
+from tests.harness.net import CLIENT_TIMEOUT_S, free_port
 
 ADMIN_KEY = "admin-key-0123456789abcdef"
 PAIR_KEY = "pair-key-0123456789abcdef"  # at most 2 requests in flight
@@ -59,7 +59,7 @@ def _chat(gateway: Gateway, model: str, key: str = KEY, max_tokens: int = 4, str
     one completion on a connection of its own; (status, 0, 0) when not streamed."""
     body: dict[str, Any] = {"model": model, "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True,
                             "stream": stream}
-    with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as c:
+    with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {key}"}, timeout=CLIENT_TIMEOUT_S) as c:
         if not stream:
             return c.post("/completions", json=body).status_code, 0, 0
         body["stream_options"] = {"include_usage": True}

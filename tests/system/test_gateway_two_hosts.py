@@ -45,6 +45,7 @@ from tests.conftest import FIGURE
 from tests.harness.booted import NAME_PREFIX, BootedHost
 from tests.harness.net import free_port
 from tests.harness.paths import ROOT
+from tests.harness.repository import wait_until
 from tests.system._converge import (
     HOST_MODELS,
     METRICS_ADDRESS,
@@ -126,10 +127,7 @@ def _served(c: Converged) -> float:
 
 
 def _wait_for(what: str, check, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
-        time.sleep(1)
+    assert wait_until(check, timeout_s, every_s=1), f"not within {timeout_s:.0f} s: {what}"
 
 
 def _triton_ready(c: Converged) -> bool:
@@ -200,9 +198,7 @@ def test_stopping_one_hosts_tritonserver_loses_no_request(pair: Pair):
         for load in loads:
             load.stop.set()
         a_host.exec(["systemctl", "start", "--no-block", "tritonserver"], timeout=300)
-        deadline = time.monotonic() + READY_TIMEOUT_S  # the next tests want A serving
-        while not _triton_ready(pair.a) and time.monotonic() < deadline:
-            time.sleep(2)
+        wait_until(lambda: _triton_ready(pair.a), READY_TIMEOUT_S, every_s=2)  # the next tests want A serving
         # The smoke probe may have run while A was down: run it again now, so its
         # metric (and LLMHostSmokeProbeFailing, which test_monitoring checks) is A's state.
         a_host.exec(["systemctl", "start", f"llmhost-smoke@{MODEL}.service"], timeout=300)
