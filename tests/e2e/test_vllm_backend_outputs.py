@@ -4,19 +4,25 @@ the model's setting or by the request), the additional outputs with their names,
 types and per-response meaning (streamed and not, n > 1), and its rule that a
 stream never carries the prompt.
 
-Step counts: vLLM itself merges the steps of a request whose consumer falls behind
-(and so does our sending thread under a backlog), so "one token per response" is
-checked as the typical (median) response carrying one token, every response's
-counts adding up to the tokens asked for."""
+Step counts depend on load: vLLM itself merges the steps of a request whose consumer
+falls behind (and so does our sending thread under a backlog), and on CI's two cores
+shared with other tests a 200-token stream has come in 97 and in 46 responses, a
+12-token one in 2. So a check of a stream's shape takes a new stream when one fails,
+up to ``TRIES`` streams five seconds apart, and fails with the last one's
+counts; a backend that grouped by default (or never grouped) fails every try. What
+does not depend on load (every response's counts adding up to the tokens asked for,
+the text, which response carries which output) is checked on every stream. The
+merging rule itself is unit-tested in tests/unit/test_coalesce.py."""
 
 from __future__ import annotations
 
 import json
 import math
 import statistics
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -26,6 +32,8 @@ from tests.e2e._client import generate, grpc_stream, sampling, stream
 from tests.harness.server import Server, start_server, wait_gone
 
 PROMPT = "def fibonacci(n):"
+TRIES = 4
+T = TypeVar("T")
 EVERY_OUTPUT = {"return_finish_reason": True, "return_cumulative_logprob": True, "return_logprobs": True,
                 "return_num_input_tokens": True, "return_num_output_tokens": True}
 
@@ -45,12 +53,29 @@ def _counts(events: list[dict[str, Any]]) -> list[int]:
     return [int(e["num_output_tokens"]) for e in events]
 
 
+def shaped(take: Callable[[], T], check: Callable[[T], None]) -> T:
+    """``take()`` a stream until ``check`` passes on it, up to TRIES streams; the last
+    failure is raised as it is."""
+    for attempt in range(1, TRIES + 1):
+        got = take()
+        try:
+            check(got)
+        except AssertionError:
+            if attempt == TRIES:
+                raise
+            print(f"stream {attempt} of {TRIES} did not have the shape asked for; another in 5 s", flush=True)
+            time.sleep(5)
+        else:
+            return got
+    raise AssertionError("unreachable")
+
+
 def _per_step(events: list[dict[str, Any]], tokens: int) -> None:
     counts = _counts(events)
     assert sum(counts) == tokens, counts
     assert statistics.median(counts) == 1, counts  # the typical response is one engine step: one token
-    # Not the half: on a loaded machine a backlog at the start merges a few dozen steps
-    # (seen: 200 tokens in 97 responses, the first four carrying 15, 7, 2 and 14).
+    # An idle machine sends nearly one response a token; a busy one merges a backlog
+    # now and then. Either is far from a window's handful of responses.
     assert len(events) > tokens // 4, counts
 
 
@@ -62,31 +87,47 @@ def _grouped(events: list[dict[str, Any]], tokens: int) -> None:
     assert 1 < len(events) < tokens // 2, counts
 
 
+def _sums_to(events: list[dict[str, Any]], tokens: int) -> None:
+    assert sum(_counts(events)) == tokens, _counts(events)
+
+
 STREAM_BODY = {"text_input": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0,
                "return_num_output_tokens": True}
 
 
+def _take(server: Server, **extra: Any) -> Callable[[], list[dict[str, Any]]]:
+    def take() -> list[dict[str, Any]]:
+        events = stream(server, **STREAM_BODY, **extra)
+        _sums_to(events, 200)  # whatever the load
+        return events
+    return take
+
+
 def test_a_stream_sends_each_engine_step_by_default(server):
-    events = stream(server, **STREAM_BODY)
-    _per_step(events, 200)
+    events = shaped(_take(server), lambda e: _per_step(e, 200))
     assert "".join(e["text_output"] for e in events) == generate(
         server, **STREAM_BODY, exclude_input_in_output=True)["text_output"]
 
 
-def test_a_request_may_group_its_stream(server):
-    events = stream(server, **STREAM_BODY, stream_interval_ms=1000)
-    _grouped(events, 200)
-    # Also as a key of sampling_parameters, over gRPC (vllm_backend clients' way).
+def _grpc_counts(server: Server) -> list[dict[str, Any]]:
     results, error = grpc_stream(server, {"text_input": PROMPT, "stream": True, "return_num_output_tokens": True,
                                           "sampling_parameters": sampling(max_tokens=200, ignore_eos=True,
                                                                           stream_interval_ms=1000)})
     assert error is None
-    _grouped([{"num_output_tokens": r.as_numpy("num_output_tokens")[0]} for r in results], 200)
+    events = [{"num_output_tokens": r.as_numpy("num_output_tokens")[0]} for r in results]
+    _sums_to(events, 200)
+    return events
+
+
+def test_a_request_may_group_its_stream(server):
+    shaped(_take(server, stream_interval_ms=1000), lambda e: _grouped(e, 200))
+    # Also as a key of sampling_parameters, over gRPC (vllm_backend clients' way).
+    shaped(lambda: _grpc_counts(server), lambda e: _grouped(e, 200))
 
 
 def test_a_models_window_groups_and_a_request_may_turn_it_off(grouped_server):
-    _grouped(stream(grouped_server, **STREAM_BODY), 200)
-    _per_step(stream(grouped_server, **STREAM_BODY, stream_interval_ms=0), 200)
+    shaped(_take(grouped_server), lambda e: _grouped(e, 200))
+    shaped(_take(grouped_server, stream_interval_ms=0), lambda e: _per_step(e, 200))
 
 
 @pytest.mark.parametrize("value", [-1, 1001, "soon", "nan"])
@@ -119,10 +160,17 @@ def _check_positions(positions: list[dict[str, Any]], k: int) -> str:
 
 
 def test_every_additional_output_streamed(server):
-    results, error = grpc_stream(server, {"text_input": PROMPT, "stream": True, **EVERY_OUTPUT,
-                                          "sampling_parameters": sampling(max_tokens=24, ignore_eos=True,
-                                                                          temperature=0, logprobs=2)})
-    assert error is None and len(results) > 1
+    def take() -> list[Any]:
+        results, error = grpc_stream(server, {"text_input": PROMPT, "stream": True, **EVERY_OUTPUT,
+                                              "sampling_parameters": sampling(max_tokens=24, ignore_eos=True,
+                                                                              temperature=0, logprobs=2)})
+        assert error is None and results, error
+        return results
+
+    def several(results: list[Any]) -> None:  # a running sum needs more than one response
+        assert len(results) > 1, len(results)
+
+    results = shaped(take, several)
     outs = [_outputs(r) for r in results]
     assert [o["finish_reason"].tolist() for o in outs] == [[b"None"]] * (len(outs) - 1) + [[b"length"]]
     assert all(o["cumulative_logprob"].dtype == np.float32 and o["cumulative_logprob"].shape == (1,)
@@ -202,11 +250,20 @@ def test_sparse_outputs_carry_the_same_facts_in_fewer_tensors(server):
     once a completion finished, num_input_tokens in the first and the final response;
     the same totals and reasons as the dense stream, n=2 included."""
     asked = {"text_input": PROMPT, "stream": True, "return_finish_reason": True, "return_num_input_tokens": True,
-             "return_num_output_tokens": True, "sampling_parameters": sampling(max_tokens=12, ignore_eos=True, n=2)}
-    dense, error = grpc_stream(server, asked)
-    assert error is None and len(dense) > 2
-    sparse, error = grpc_stream(server, asked, params={"sparse_outputs": True})
-    assert error is None and len(sparse) > 2
+             "return_num_output_tokens": True, "sampling_parameters": sampling(max_tokens=24, ignore_eos=True, n=2)}
+
+    def take(params: dict[str, Any] | None) -> Callable[[], list[Any]]:
+        def one() -> list[Any]:
+            results, error = grpc_stream(server, asked, params=params)
+            assert error is None and results, error
+            return results
+        return one
+
+    def several(results: list[Any]) -> None:  # a first, a middle and a final response
+        assert len(results) > 2, len(results)
+
+    dense = shaped(take(None), several)
+    sparse = shaped(take({"sparse_outputs": True}), several)
     outs = [_outputs(r) for r in sparse]
     inputs = [o["num_input_tokens"] for o in outs]
     assert inputs[0] is not None and inputs[-1] is not None and all(i is None for i in inputs[1:-1]), inputs
@@ -223,7 +280,7 @@ def test_sparse_outputs_carry_the_same_facts_in_fewer_tensors(server):
         assert all(a == b for a, b in zip(before, after, strict=True) if a != b"None"), reasons
     assert all(_outputs(r)["finish_reason"] is not None for r in dense)  # vllm_backend's way, without it
     totals = [sum(int(o["num_output_tokens"][i]) for o in outs) for i in range(2)]
-    assert totals == [12, 12]
+    assert totals == [24, 24]
     bad = generate(server, text_input=PROMPT, max_tokens=2, sparse_outputs="yes")
     assert bad["_status"] == 400 and "'sparse_outputs' must be true or false" in bad["error"], bad
 
