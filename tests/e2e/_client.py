@@ -1,11 +1,23 @@
-"""Small clients for the tests: HTTP generate / generate_stream and gRPC streaming."""
+"""Small clients for the tests: HTTP generate / generate_stream and gRPC streaming, and
+``shaped``, the rule for checks of a stream's shape (how many responses it came in).
+
+A stream's shape depends on load as well as on the server: vLLM merges the steps of a
+request whose consumer falls behind, and so does the backend's sending thread under a
+backlog. On CI's two cores shared with the two-host roll a 200-token stream has come
+in 46 responses where an idle machine sends about 200, and a 12-token one in 2. So a
+check of the shape takes a new stream when one fails, up to ``SHAPE_TRIES`` streams
+five seconds apart, and fails with the last one's figures; a server that always had
+the wrong shape fails every try. What does not depend on load (the text, the counts
+adding up, which response carries what) is checked on every stream, inside ``take``.
+"""
 
 from __future__ import annotations
 
 import json
 import queue
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import requests
@@ -13,6 +25,27 @@ import tritonclient.grpc as grpcclient
 
 from llmhost.smoke import parse_sse
 from tests.harness.endpoint import Endpoint as Server
+
+SHAPE_TRIES = 4
+T = TypeVar("T")
+
+
+def shaped(take: Callable[[], T], check: Callable[[T], None]) -> T:
+    """``take()`` a stream (or a run of streams) until ``check`` passes on it, up to
+    SHAPE_TRIES times; the last failure is raised as it is."""
+    for attempt in range(1, SHAPE_TRIES + 1):
+        got = take()
+        try:
+            check(got)
+        except AssertionError:
+            if attempt == SHAPE_TRIES:
+                raise
+            print(f"stream {attempt} of {SHAPE_TRIES} did not have the shape asked for; another in 5 s",
+                  flush=True)
+            time.sleep(5)
+        else:
+            return got
+    raise AssertionError("unreachable")
 
 
 def generate(server: Server, **body: Any) -> dict[str, Any]:

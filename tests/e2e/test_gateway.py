@@ -12,12 +12,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from llmhost.gateway.keys import hash_key
+from tests.e2e._client import shaped
 from tests.harness.gateway import KEY, Gateway, start_gateway, stop_gateway
 from tests.harness.net import CLIENT_TIMEOUT_S, free_port
 
@@ -356,17 +358,24 @@ def test_native_generate_and_generate_stream(gateway, server):
     whole = r.json()
     assert whole["model_name"] == server.name and isinstance(whole["text_output"], str)
     assert whole["num_output_tokens"] == 8 and "num_input_tokens" not in whole
-    text = ""
-    counted = _gateway_series(gateway, "llmhost_gateway_tokens_per_event_count")
-    with httpx.stream("POST", f"{base}/generate_stream", json={**body, "stream": True}, headers=_auth(),
-                      timeout=120) as s:
-        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
-        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line.startswith("data: ")]
-    text = "".join(e["text_output"] for e in events)
-    # Each response counts its own output tokens (vllm_backend's num_output_tokens).
-    assert len(events) >= 2 and text == whole["text_output"] and sum(e["num_output_tokens"] for e in events) == 8
-    # The stream's events are counted as the OpenAI door's are (tokens per event).
-    assert _gateway_series(gateway, "llmhost_gateway_tokens_per_event_count") == counted + len(events)
+
+    def take() -> list[dict[str, Any]]:
+        counted = _gateway_series(gateway, "llmhost_gateway_tokens_per_event_count")
+        with httpx.stream("POST", f"{base}/generate_stream", json={**body, "stream": True}, headers=_auth(),
+                          timeout=120) as s:
+            assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+            events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line.startswith("data: ")]
+        # Each response counts its own output tokens (vllm_backend's num_output_tokens).
+        assert "".join(e["text_output"] for e in events) == whole["text_output"]
+        assert sum(e["num_output_tokens"] for e in events) == 8
+        # The stream's events are counted as the OpenAI door's are (tokens per event).
+        assert _gateway_series(gateway, "llmhost_gateway_tokens_per_event_count") == counted + len(events)
+        return events
+
+    def streamed(events: list[dict[str, Any]]) -> None:
+        assert len(events) >= 2, f"a stream in {len(events)} event(s)"
+
+    shaped(take, streamed)
     r = httpx.post(f"{base}/generate", json={**body, "temperature": -1}, headers=_auth(), timeout=60)
     assert r.status_code == 400 and "temperature" in r.json()["error"]
     assert httpx.post(f"{base}/generate", json=body, timeout=60).status_code == 401
@@ -481,19 +490,26 @@ def test_llmhost_bench_drives_vllms_own_client_through_the_gateway(gateway, serv
     key_file.write_text(KEY)
     out = tmp_path / "bench.json"
     url = gateway.url if kind == "openai" else _native(gateway)
-    r = subprocess.run([str(Path(sys.executable).parent / "llmhost"), "bench", "--client", "vllm", "--kind", kind,
-                        "--url", url, "--model", server.name, "--tokenizer", str(tiny_model),
-                        "--api-key-file", str(key_file), "--concurrency", "2", "--requests", "4",
-                        "--prompt-words", "16", "--output-tokens", "8", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "tok/event" in r.stdout
-    level = json.loads(out.read_text())["levels"][0]
-    assert (level["concurrency"], level["completed"], level["failed"]) == (2, 4, 0), level
-    assert level["output_tokens_per_s"] > 0 and level["itl_ms"]["median"] > 0
-    # About one token an event: vLLM's client counts only events with text, and the random
-    # model's token is now and then half a UTF-8 character (an event without text).
-    assert 1.0 <= level["tokens_per_event"] < 1.5, level
+
+    def take() -> dict[str, Any]:
+        r = subprocess.run([str(Path(sys.executable).parent / "llmhost"), "bench", "--client", "vllm",
+                            "--kind", kind, "--url", url, "--model", server.name, "--tokenizer", str(tiny_model),
+                            "--api-key-file", str(key_file), "--concurrency", "2", "--requests", "4",
+                            "--prompt-words", "16", "--output-tokens", "8", "--json", str(out)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "tok/event" in r.stdout
+        level: dict[str, Any] = json.loads(out.read_text())["levels"][0]
+        assert (level["concurrency"], level["completed"], level["failed"]) == (2, 4, 0), level
+        assert level["output_tokens_per_s"] > 0 and level["itl_ms"]["median"] > 0
+        return level
+
+    def per_step(level: dict[str, Any]) -> None:
+        # About one token an event: vLLM's client counts only events with text, and the
+        # random model's token is now and then half a UTF-8 character (an event without text).
+        assert 1.0 <= level["tokens_per_event"] < 1.5, level
+
+    shaped(take, per_step)
 
 
 @pytest.mark.parametrize("path", ["grpc", "socket"])

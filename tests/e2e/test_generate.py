@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from transformers import AutoTokenizer
 
-from tests.e2e._client import generate, grpc_stream, sampling, stream, texts
+from tests.e2e._client import generate, grpc_stream, sampling, shaped, stream, texts
 
 PROMPT = "def fibonacci(n):"
+
+
+def _more_than_one(responses: int) -> None:
+    assert responses > 1, f"a stream in {responses} response(s)"
 
 
 def test_generate_counts_and_defaults(server):
@@ -33,11 +38,15 @@ def test_stream_equals_non_stream(server):
     body = {"text_input": PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 0,
             "exclude_input_in_output": True, "return_num_output_tokens": True}
     full = generate(server, **body)["text_output"]
-    events = stream(server, **body)
-    assert len(events) > 1
-    assert "".join(e["text_output"] for e in events) == full
-    counts = [e["num_output_tokens"] for e in events]  # each response's own tokens
-    assert sum(counts) == 24 and all(c >= 1 for c in counts[:-1])
+
+    def take() -> list[dict[str, Any]]:
+        events = stream(server, **body)
+        assert "".join(e["text_output"] for e in events) == full
+        counts = [e["num_output_tokens"] for e in events]  # each response's own tokens
+        assert sum(counts) == 24 and all(c >= 1 for c in counts[:-1])
+        return events
+
+    shaped(take, lambda events: _more_than_one(len(events)))
 
 
 def test_stream_window_merges_deltas_and_loses_none(server):
@@ -45,28 +54,39 @@ def test_stream_window_merges_deltas_and_loses_none(server):
     body = {"text_input": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0,
             "exclude_input_in_output": True, "return_num_output_tokens": True}
     full = generate(server, **body)["text_output"]
-    events = stream(server, **body, stream_interval_ms=50)
-    counts = [e["num_output_tokens"] for e in events]  # each response's own tokens
-    # Without the window an idle server sends about one event per engine step: 153
-    # events for these 200 tokens with stream_interval_ms=0 (2026-11-23), where only
-    # a busy I/O thread merged some. With it, the tokens of up to 50 ms leave
-    # together: 30 events. Fewer than 100 (over two tokens an event) tells the two
-    # apart. More than one event: the first token still leaves at once.
-    assert 1 < len(events) < 100, f"{len(events)} events for 200 tokens"
-    assert all(c >= 1 for c in counts[:-1]) and sum(counts) == 200
-    assert "".join(e["text_output"] for e in events) == full
+
+    def take() -> list[dict[str, Any]]:
+        events = stream(server, **body, stream_interval_ms=50)
+        counts = [e["num_output_tokens"] for e in events]  # each response's own tokens
+        assert all(c >= 1 for c in counts[:-1]) and sum(counts) == 200
+        assert "".join(e["text_output"] for e in events) == full
+        return events
+
+    def windowed(events: list[dict[str, Any]]) -> None:
+        # Without the window an idle server sends about one event per engine step: 153
+        # events for these 200 tokens with stream_interval_ms=0 (2026-11-23), where only
+        # a busy I/O thread merged some. With it, the tokens of up to 50 ms leave
+        # together: 30 events. Fewer than 100 (over two tokens an event) tells the two
+        # apart. More than one event: the first token still leaves at once.
+        assert 1 < len(events) < 100, f"{len(events)} events for 200 tokens"
+
+    shaped(take, windowed)
 
 
 def test_grpc_stream_matches_http(server):
     body = {"text_input": PROMPT, "max_tokens": 20, "ignore_eos": True, "temperature": 0,
             "exclude_input_in_output": True}
     full = generate(server, **body)["text_output"]
-    results, error = grpc_stream(server, {"text_input": PROMPT, "stream": True,
-                                          "sampling_parameters": sampling(max_tokens=20, ignore_eos=True,
-                                                                          temperature=0)})
-    assert error is None
-    assert len(results) > 1
-    assert "".join(texts(r)[0] for r in results) == full
+
+    def take() -> list[Any]:
+        results, error = grpc_stream(server, {"text_input": PROMPT, "stream": True,
+                                              "sampling_parameters": sampling(max_tokens=20, ignore_eos=True,
+                                                                              temperature=0)})
+        assert error is None
+        assert "".join(texts(r)[0] for r in results) == full
+        return results
+
+    shaped(take, lambda results: _more_than_one(len(results)))
 
 
 def test_grpc_request_parameters(server):

@@ -9,11 +9,12 @@ from __future__ import annotations
 import base64
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from llmhost.tiny.vision import QUERY_TOKENS, picture, write_tiny_vision_model
-from tests.e2e._client import generate, grpc_stream, texts
+from tests.e2e._client import generate, grpc_stream, shaped, texts
 from tests.harness.net import CLIENT_TIMEOUT_S
 from tests.harness.server import Server, start_server, wait_gone
 
@@ -60,14 +61,21 @@ def test_a_picture_reaches_the_model(vision_server: Server):
 
 
 def test_a_picture_in_a_grpc_stream(vision_server: Server):
-    results, error = grpc_stream(vision_server, {"text_input": PROMPT, "image": BLUE.encode(), "stream": True,
-                                                 "exclude_input_in_output": True},
-                                 {"max_tokens": 6, "temperature": 0, "ignore_eos": True})
-    assert error is None, error
-    streamed = "".join(t for r in results for t in texts(r))
     whole = _ok(vision_server, text_input=PROMPT, image=[BLUE], max_tokens=6, temperature=0, ignore_eos=True,
                 exclude_input_in_output=True)
-    assert len(results) >= 2 and streamed == whole["text_output"]
+
+    def take() -> list[Any]:
+        results, error = grpc_stream(vision_server, {"text_input": PROMPT, "image": BLUE.encode(), "stream": True,
+                                                     "exclude_input_in_output": True},
+                                     {"max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert error is None, error
+        assert "".join(t for r in results for t in texts(r)) == whole["text_output"]
+        return results
+
+    def streamed(results: list[Any]) -> None:
+        assert len(results) >= 2, f"a stream in {len(results)} response(s)"
+
+    shaped(take, streamed)
 
 
 @pytest.mark.parametrize(("images", "needle"), [

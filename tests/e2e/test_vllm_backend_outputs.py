@@ -4,36 +4,29 @@ the model's setting or by the request), the additional outputs with their names,
 types and per-response meaning (streamed and not, n > 1), and its rule that a
 stream never carries the prompt.
 
-Step counts depend on load: vLLM itself merges the steps of a request whose consumer
-falls behind (and so does our sending thread under a backlog), and on CI's two cores
-shared with other tests a 200-token stream has come in 97 and in 46 responses, a
-12-token one in 2. So a check of a stream's shape takes a new stream when one fails,
-up to ``TRIES`` streams five seconds apart, and fails with the last one's
-counts; a backend that grouped by default (or never grouped) fails every try. What
-does not depend on load (every response's counts adding up to the tokens asked for,
-the text, which response carries which output) is checked on every stream. The
-merging rule itself is unit-tested in tests/unit/test_coalesce.py."""
+Step counts depend on load, so the checks of a stream's shape follow
+``tests.e2e._client.shaped`` (a few tries); a backend that grouped by default, or never
+grouped, fails every try. Every response's counts adding up to the tokens asked for is
+checked on every stream. The merging rule itself is unit-tested in
+tests/unit/test_coalesce.py."""
 
 from __future__ import annotations
 
 import json
 import math
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import pytest
 import requests
 
-from tests.e2e._client import generate, grpc_stream, sampling, stream
+from tests.e2e._client import generate, grpc_stream, sampling, shaped, stream
 from tests.harness.server import Server, start_server, wait_gone
 
 PROMPT = "def fibonacci(n):"
-TRIES = 4
-T = TypeVar("T")
 EVERY_OUTPUT = {"return_finish_reason": True, "return_cumulative_logprob": True, "return_logprobs": True,
                 "return_num_input_tokens": True, "return_num_output_tokens": True}
 
@@ -51,23 +44,6 @@ def grouped_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 def _counts(events: list[dict[str, Any]]) -> list[int]:
     return [int(e["num_output_tokens"]) for e in events]
-
-
-def shaped(take: Callable[[], T], check: Callable[[T], None]) -> T:
-    """``take()`` a stream until ``check`` passes on it, up to TRIES streams; the last
-    failure is raised as it is."""
-    for attempt in range(1, TRIES + 1):
-        got = take()
-        try:
-            check(got)
-        except AssertionError:
-            if attempt == TRIES:
-                raise
-            print(f"stream {attempt} of {TRIES} did not have the shape asked for; another in 5 s", flush=True)
-            time.sleep(5)
-        else:
-            return got
-    raise AssertionError("unreachable")
 
 
 def _per_step(events: list[dict[str, Any]], tokens: int) -> None:
