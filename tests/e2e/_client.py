@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from typing import Any, TypeVar
 
 import numpy as np
@@ -33,19 +33,26 @@ T = TypeVar("T")
 def shaped(take: Callable[[], T], check: Callable[[T], None]) -> T:
     """``take()`` a stream (or a run of streams) until ``check`` passes on it, up to
     SHAPE_TRIES times; the last failure is raised as it is."""
-    for attempt in range(1, SHAPE_TRIES + 1):
+    for attempt in range(1, SHAPE_TRIES):
         got = take()
         try:
             check(got)
         except AssertionError:
-            if attempt == SHAPE_TRIES:
-                raise
             print(f"stream {attempt} of {SHAPE_TRIES} did not have the shape asked for; another in 5 s",
                   flush=True)
             time.sleep(5)
         else:
             return got
-    raise AssertionError("unreachable")
+    got = take()
+    check(got)
+    return got
+
+
+def more_than(n: int) -> Callable[[Sized], None]:
+    """A check for ``shaped``: the stream came in more than ``n`` responses."""
+    def check(responses: Sized) -> None:
+        assert len(responses) > n, f"a stream in {len(responses)} response(s), not more than {n}"
+    return check
 
 
 def generate(server: Server, **body: Any) -> dict[str, Any]:

@@ -8,13 +8,9 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from tests.e2e._client import generate, grpc_stream, sampling, shaped, stream, texts
+from tests.e2e._client import generate, grpc_stream, more_than, sampling, shaped, stream, texts
 
 PROMPT = "def fibonacci(n):"
-
-
-def _more_than_one(responses: int) -> None:
-    assert responses > 1, f"a stream in {responses} response(s)"
 
 
 def test_generate_counts_and_defaults(server):
@@ -46,7 +42,7 @@ def test_stream_equals_non_stream(server):
         assert sum(counts) == 24 and all(c >= 1 for c in counts[:-1])
         return events
 
-    shaped(take, lambda events: _more_than_one(len(events)))
+    shaped(take, more_than(1))
 
 
 def test_stream_window_merges_deltas_and_loses_none(server):
@@ -86,7 +82,7 @@ def test_grpc_stream_matches_http(server):
         assert "".join(texts(r)[0] for r in results) == full
         return results
 
-    shaped(take, lambda results: _more_than_one(len(results)))
+    shaped(take, more_than(1))
 
 
 def test_grpc_request_parameters(server):
