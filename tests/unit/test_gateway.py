@@ -274,6 +274,7 @@ def test_error_object_shape():
     ("Request for unknown model: 'tiny' has no available versions", 503),
     ("Server not ready", 503),
     ("Model is unavailable due to unhealthy vLLM engine", 503),
+    ("Stub process 'tiny_0_0' is not healthy.", 503),  # seen from a starved host during a roll
     # A client's text echoed in the backend's error never makes an upstream unavailable.
     ("invalid sampling parameters: unknown parameter 'the model is shutting down'", 400),
     ("input 'x: engine stopped; Server not ready; Request for unknown model: ' is not an input", 400),

@@ -43,14 +43,15 @@ from llmhost.gateway.mapping import BackendRequest
 # "your request is wrong" (400): the backend's (llmhost.backend.watchdog, health.py,
 # model.py, engine.py) and Triton's own for a model it does not serve now ("Request for
 # unknown model: 'm' has no available versions" while it unloads on stop, "... is not
-# found", "Server not ready"; the gateway sends only the models it serves, so this
-# upstream cannot serve it now and the request is retried on another). Only the
+# found", "Server not ready", "Stub process 'm_0_0' is not healthy." when the python
+# backend's stub missed its health check; the gateway sends only the models it serves,
+# so this upstream cannot serve it now and the request is retried on another). Only the
 # beginning counts: a message that echoes a client's text (an unknown parameter's
 # name) begins with the backend's own words, so no client can make an upstream look
 # unavailable to every other client.
 _UNAVAILABLE_PREFIXES = ("the model's engine stopped (", "the model is shutting down",
                          "Model is unavailable due to unhealthy vLLM engine", "Request for unknown model: ",
-                         "Server not ready")
+                         "Server not ready", "Stub process '")
 _MAX_MESSAGE = 64 * 1024 * 1024
 # How long a finished call may take to end after the client half-closed it (Triton
 # ends it at once); after that it is cancelled.
