@@ -1,5 +1,11 @@
 """vLLM's own OpenAI server (`vllm serve`), started for real on a model folder: what
-the gateway's answers are compared with."""
+the gateway's answers are compared with.
+
+A start that has not answered within START_TIMEOUT_S is taken as hung and started once
+more: in one CI run (2 slow cores, the system tests' hosts beside it) `vllm serve`
+wrote nothing for 300 s after its engine's OpenMP binding and never answered. Before
+it is killed, each Python process of the hung start writes where its threads wait
+(faulthandler, on SIGABRT) to the log, which the error quotes."""
 
 from __future__ import annotations
 
@@ -14,11 +20,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import requests
 
 from tests.harness.net import ENGINE_ENV, free_port
 
-READY_TIMEOUT_S = 300
+START_TIMEOUT_S = 300
+STARTS = 2
 
 
 @dataclass
@@ -30,22 +38,55 @@ class VllmServer:
 @contextmanager
 def vllm_server(model: Path, workdir: Path, name: str, engine_args: list[str]) -> Iterator[VllmServer]:
     """`vllm serve MODEL` as NAME on a free port with ENGINE_ARGS, until the block ends."""
-    port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / "vllm-serve.log"
+    hung: list[str] = []
+    for start in range(1, STARTS + 1):
+        port = free_port()
+        log = workdir / f"vllm-serve-{start}.log"
+        proc = _start(model, workdir, name, engine_args, port, log)
+        try:
+            if _wait_ready(proc, f"http://127.0.0.1:{port}/health", log):
+                yield VllmServer(f"http://127.0.0.1:{port}/v1", log)
+                return
+            _dump_stacks(proc, log)
+            hung.append(f"start {start}: not ready after {START_TIMEOUT_S} s ({log}):\n"
+                        f"{log.read_text(errors='replace')[-6000:]}")
+        finally:
+            _stop_session(proc)
+    raise RuntimeError(f"vllm serve did not answer in {STARTS} starts:\n" + "\n".join(hung))
+
+
+def _start(model: Path, workdir: Path, name: str, engine_args: list[str], port: int,
+           log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1",
                VLLM_CACHE_ROOT=str(workdir / "vllm-cache"), TMPDIR=str(workdir), PYTHONUNBUFFERED="1",
-               **ENGINE_ENV)
+               PYTHONFAULTHANDLER="1", **ENGINE_ENV)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
            *engine_args]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        _wait_ready(proc, f"http://127.0.0.1:{port}/health", log)
-        yield VllmServer(f"http://127.0.0.1:{port}/v1", log)
-    finally:
-        _stop_session(proc)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _session(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    """The processes of PROC's session (the API server, its engine and workers)."""
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if os.getsid(p.pid) == proc.pid:
+                found.append(p)
+    return found
+
+
+def _dump_stacks(proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Every Python process of PROC's session writes its threads' stacks to LOG and
+    ends (PYTHONFAULTHANDLER: SIGABRT); the rest of the session is stopped after."""
+    with log.open("ab") as out:
+        out.write(f"\n--- not ready after {START_TIMEOUT_S} s: the stacks of every process ---\n".encode())
+    for p in _session(proc):
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGABRT)
+    time.sleep(3)
 
 
 def _stop_session(proc: subprocess.Popen[bytes]) -> None:
@@ -59,17 +100,18 @@ def _stop_session(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=wait_s)
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], health: str, log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+def _wait_ready(proc: subprocess.Popen[bytes], health: str, log: Path) -> bool:
+    """Whether `vllm serve` answered its health check within START_TIMEOUT_S; an exit
+    is an error at once."""
+    deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
         try:
             if requests.get(health, timeout=2).status_code == 200:
-                return
+                return True
         except requests.RequestException:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"vllm serve not ready after {READY_TIMEOUT_S} s:\n"
-                               f"{log.read_text(errors='replace')[-4000:]}")
+            return False
         time.sleep(1)

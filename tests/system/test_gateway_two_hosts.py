@@ -393,6 +393,14 @@ class _Traffic:
         return [o for o in list(self.outcomes) if o.start < t1 and o.end > t0]
 
 
+def _pool_changes(c: GatewayOnly) -> list[str]:
+    """The changes of its upstreams' states that C's gateway wrote to its journal
+    (llmhost.gateway.pool), each with its time."""
+    log = c.host.exec(["journalctl", "-u", "llmhost-gateway", "--no-pager", "-o", "short-precise"]).stdout
+    return [f"{line.split()[2]} {line[line.index(': upstream ') + 2:]}" for line in log.splitlines()
+            if ": upstream " in line][-60:]
+
+
 def _counts(outcomes: list[_Outcome]) -> str:
     failed = [o for o in outcomes if not o.ok]
     return (f"failed requests: {len(failed)} of {len(outcomes)} "
@@ -574,6 +582,7 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
             start = end
         everything = traffic.between(began, marks[-1][1]) if marks else []
         record_property(FIGURE, f"all through C during the rolls: {_counts(everything)}")
+        record_property(FIGURE, "what C's gateway saw of its upstreams: " + "; ".join(_pool_changes(c)))
 
     ends = [end for _, end in marks]
     assert all(len(traffic.between(t0, t1)) >= 4 for t0, t1 in zip([began, *ends], ends, strict=False)), marks

@@ -19,7 +19,15 @@ from llmhost.gateway.errors import ApiError, unavailable
 from llmhost.gateway.keys import KeysError, KeyStore, hash_key, parse_keys
 from llmhost.gateway.mapping import BackendRequest, parse_body, to_backend
 from llmhost.gateway.responses import Accumulator, completion_body, stream_chunks
-from llmhost.gateway.upstream import Piece, build_request, classify, parse_response, socket_request
+from llmhost.gateway.upstream import (
+    Draining,
+    NotStarted,
+    Piece,
+    build_request,
+    classify,
+    parse_response,
+    socket_request,
+)
 
 KEY = "unit-key-0123456789abcdef"
 
@@ -274,7 +282,10 @@ def test_error_object_shape():
     ("Request for unknown model: 'tiny' has no available versions", 503),
     ("Server not ready", 503),
     ("Model is unavailable due to unhealthy vLLM engine", 503),
-    ("Stub process 'tiny_0_0' is not healthy.", 503),  # seen from a starved host during a roll
+    # Triton's python backend missed one request (its stub's health thread waited a
+    # second for a core): the pool tries it again and keeps the upstream in service.
+    ("Stub process 'tiny_0_0' is not healthy.", 503),
+    ("Stub process is not healthy.", 503),
     # A client's text echoed in the backend's error never makes an upstream unavailable.
     ("invalid sampling parameters: unknown parameter 'the model is shutting down'", 400),
     ("input 'x: engine stopped; Server not ready; Request for unknown model: ' is not an input", 400),
@@ -282,6 +293,8 @@ def test_error_object_shape():
 def test_backend_errors_are_classified(message, status):
     err = classify(message)
     assert err.status == status and err.message == message
+    assert isinstance(err, NotStarted) == message.startswith("Stub process ")
+    assert isinstance(err, Draining) == (status == 503 and not message.startswith("Stub process "))
 
 
 # --- keys --------------------------------------------------------------------

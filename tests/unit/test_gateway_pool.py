@@ -348,6 +348,105 @@ def test_an_upstream_unloading_the_model_on_stop_is_skipped_like_a_draining_one(
     assert (a.calls, b.calls) == (1, 2)
 
 
+STUB_MISSED = "Stub process 'm_0_0' is not healthy."  # Triton's python backend, on a busy machine
+
+
+class FailsOnce(Fake):
+    """An upstream whose next call fails with FAIL once, then serves."""
+
+    async def _before(self) -> None:
+        failing, self.fail = self.fail, None
+        self.calls += 1
+        if failing is not None:
+            from llmhost.gateway.upstream import classify
+            raise classify(failing)
+
+
+def test_a_request_the_stub_missed_is_tried_on_another_upstream_and_nobody_is_taken_out():
+    a, b = FailsOnce("a", fail=STUB_MISSED), Fake("b")
+    lines: list[str] = []
+    pool = UpstreamPool([("a:1", a), ("b:1", b)], ["m"], PoolSettings(), log=lines.append)
+    pool.members[1].outstanding = 1  # a is picked first
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            await pool.check()
+            lines.clear()
+            r = await c.post("/v1/chat/completions", content=chat(stream=True))
+            assert r.status_code == 200 and "hello from b" in r.text, r.text
+
+    asyncio.run(run())
+    assert (a.calls, b.calls) == (1, 1)
+    assert _states(pool) == [("a:1", "in_service"), ("b:1", "in_service")]
+    assert lines == []
+
+
+def test_a_request_the_stub_missed_on_the_only_upstream_serving_is_tried_there_again():
+    """B is held (a roll changes it), A alone serves: a request A's stub missed is not a
+    503 and A stays in service."""
+    a, b = FailsOnce("a", fail=STUB_MISSED), Fake("b")
+    pool = _pool(a, b)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            await pool.check()
+            await pool.hold(pool.members[1], True)
+            for stream in (False, True):
+                a.fail = STUB_MISSED
+                r = await c.post("/v1/chat/completions", content=chat(stream=stream))
+                assert r.status_code == 200 and "hello from a" in r.text, r.text
+            assert _states(pool) == [("a:1", "in_service"), ("b:1", "draining")]
+
+    asyncio.run(run())
+    assert (a.calls, b.calls) == (4, 0)
+
+
+def test_a_stub_that_misses_twice_in_a_row_fails_the_request_with_503():
+    a = Fake("a", fail=STUB_MISSED)
+    pool = _pool(a)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            r = await c.post("/v1/chat/completions", content=chat())
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["message"] == STUB_MISSED
+            assert _states(pool) == [("a:1", "in_service")]
+
+    asyncio.run(run())
+    assert a.calls == 2
+
+
+def test_each_change_of_an_upstreams_state_is_logged_with_why():
+    a, b = Fake("a"), Fake("b", fail="the model is shutting down; retry on another instance")
+    lines: list[str] = []
+    pool = UpstreamPool([("a:1", a), ("b:1", b)], ["m"], PoolSettings(unhealthy_threshold=2, healthy_threshold=2),
+                        log=lines.append)
+
+    async def run() -> None:
+        async with client(_app(pool)) as c:
+            await pool.check()
+            pool.members[0].outstanding = 1  # b is picked first, and says it is stopping
+            assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from a!"
+            pool.members[0].outstanding = 0
+            a.reachable = False
+            await pool.check()  # a: one failure of two; b: one pass of two
+            await pool.check()
+            await pool.hold(pool.members[1], True)
+            await pool.hold(pool.members[1], False)
+
+    asyncio.run(run())
+    assert lines == [
+        "upstream a:1 in_service: 1 passed health check(s) in a row",
+        "upstream b:1 in_service: 1 passed health check(s) in a row",
+        "upstream b:1 draining: it said: the model is shutting down; retry on another instance",
+        "upstream a:1 in_service (unreachable): 1 failed health check(s) in a row, the last unreachable",
+        "upstream a:1 out (unreachable): 2 failed health check(s) in a row, the last unreachable",
+        "upstream b:1 in_service: 2 passed health check(s) in a row",
+        "upstream b:1 draining (held): held by the admin API",
+        "upstream b:1 in_service: returned by the admin API",
+    ], "\n".join(lines)
+
+
 def test_only_one_retry_and_the_first_error_when_every_upstream_fails():
     a, b, c_ = Fake("a", fail="down"), Fake("b", fail="down"), Fake("c", fail="down")
     pool = _pool(a, b, c_)

@@ -23,19 +23,27 @@
   as draining. Either way it comes back after ``healthy_threshold`` passed checks, and,
   when nothing of the answer was produced yet, the request is tried once more on another
   upstream; never after a response went to the client.
+- A backend answer that it could not hand this one request to its model
+  (``upstream.NotStarted``) leaves the upstream in service: the request is tried once
+  more, on another upstream where one serves the model, else on the same one after
+  ``SAME_UPSTREAM_PAUSE_S``.
+- Each change of an upstream's state is written to standard error (the journal of
+  the gateway's unit), with why: ``llmhost gateway: upstream HOST:PORT out: ...``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from llmhost.gateway.errors import ApiError, unavailable
-from llmhost.gateway.upstream import Draining, UpstreamDown
+from llmhost.gateway.upstream import Draining, NotStarted, UpstreamDown
 
 T = TypeVar("T")
 
@@ -48,6 +56,13 @@ class Client(Protocol):
 
 IN_SERVICE, DRAINING, OUT = "in_service", "draining", "out"
 STATES = (IN_SERVICE, DRAINING, OUT)
+# A request the backend could not hand to its model is tried again on the same upstream
+# (none other serving the model) after this pause: the moment that failed it passes.
+SAME_UPSTREAM_PAUSE_S = 1.0
+
+
+def _to_stderr(line: str) -> None:
+    print(f"llmhost gateway[{os.getpid()}]: {line}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -97,7 +112,7 @@ class PoolSettings:
 
 class UpstreamPool:
     def __init__(self, members: list[tuple[str, Any]], models: list[str],
-                 settings: PoolSettings | None = None) -> None:
+                 settings: PoolSettings | None = None, log: Callable[[str], None] = _to_stderr) -> None:
         if not members:
             raise ValueError("an upstream pool needs at least one upstream")
         self.members = [Member(target, client) for target, client in members]
@@ -105,6 +120,7 @@ class UpstreamPool:
         self.settings = settings or PoolSettings()
         self.waiting = 0
         self.panic_routed = 0  # requests sent to an upstream out of service, none being in service
+        self.log = log
         self._changed = asyncio.Condition()
 
     # --- health -----------------------------------------------------------------
@@ -131,10 +147,14 @@ class UpstreamPool:
             except Exception:  # noqa: BLE001 - anything else unexpected: a failed check, and the checks go on
                 failure = "unreachable"
                 break
+        before = _condition(member)
         if failure:
             self._failed(member, unreachable=failure == "unreachable")
         else:
             self._passed(member, ready)
+        why = (f"{member.fails} failed health check(s) in a row, the last {failure}" if failure
+               else f"{member.passes} passed health check(s) in a row")
+        self._note(member, before, why)
         member.checked = True
         await self._notify()
 
@@ -165,9 +185,18 @@ class UpstreamPool:
             await self.check()
             await asyncio.sleep(self.settings.interval_s)
 
-    def mark_down(self, member: Member) -> None:
+    def _note(self, member: Member, before: tuple[str, bool, bool], why: str) -> None:
+        """Log MEMBER's new condition (state, unreachable, held) where it changed from BEFORE."""
+        if _condition(member) == before:
+            return
+        extra = [w for w, on in (("held", member.held), ("unreachable", member.unreachable)) if on]
+        self.log(f"upstream {member.target} {member.state}{' (' + ', '.join(extra) + ')' if extra else ''}: {why}")
+
+    def mark_down(self, member: Member, why: str = "a request could not reach it") -> None:
         """A request could not reach MEMBER: out at once, until its checks pass again."""
+        before = _condition(member)
         member.in_service, member.unreachable, member.passes = False, True, 0
+        self._note(member, before, why)
 
     def member(self, target: str) -> Member | None:
         return next((m for m in self.members if m.target == target), None)
@@ -175,12 +204,16 @@ class UpstreamPool:
     async def hold(self, member: Member, held: bool) -> None:
         """Hold MEMBER out of the pool (no new requests; those in flight go on) or return it;
         a returned member serves again as soon as its checks say it is in service."""
+        before = _condition(member)
         member.held = held
+        self._note(member, before, "held by the admin API" if held else "returned by the admin API")
         await self._notify()
 
-    def mark_draining(self, member: Member) -> None:
+    def mark_draining(self, member: Member, why: str = "it said it is stopping") -> None:
         """MEMBER said it is stopping: no new requests until its checks pass again."""
+        before = _condition(member)
         member.draining, member.passes = True, 0
+        self._note(member, before, why)
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -278,18 +311,20 @@ class UpstreamPool:
     async def stream(self, model: str, open_call: Callable[[Any], AsyncIterator[T]],
                      note: Callable[[str], None] | None = None) -> AsyncIterator[T]:
         """The items of OPEN_CALL(client) on a picked upstream, holding its slot until
-        the iteration ends; retried once on another upstream when it failed as down
-        or draining before its first item."""
+        the iteration ends; tried once more when it failed before its first item: as
+        down or draining, on another upstream; not started, on another where one serves
+        the model, else on the same."""
         tried: set[str] = set()
         last: ApiError | None = None
         while True:
+            if last is not None and not tried:  # not started, and no other upstream serves it
+                await asyncio.sleep(SAME_UPSTREAM_PAUSE_S)
             try:
                 member = await self.acquire(model, tried)
             except ApiError:
                 if last is not None:  # no other upstream to retry on: the first failure
                     raise last from None
                 raise
-            tried.add(member.target)
             if note is not None:
                 note(member.target)
             produced = False
@@ -300,13 +335,19 @@ class UpstreamPool:
                         produced = True
                         yield item
                 return
-            except (UpstreamDown, Draining) as exc:
+            except (UpstreamDown, Draining, NotStarted) as exc:
                 if isinstance(exc, Draining):
-                    self.mark_draining(member)
-                else:
-                    self.mark_down(member)
-                if produced or len(tried) > 1:
+                    self.mark_draining(member, f"it said: {exc.message}"[:300])
+                elif isinstance(exc, UpstreamDown):
+                    self.mark_down(member, f"a request failed: {exc.message}"[:300])
+                if produced or last is not None:
                     raise
                 last = exc
+                if not isinstance(exc, NotStarted) or self._candidates(model, {member.target}):
+                    tried.add(member.target)
             finally:
                 await self.release(member)
+
+
+def _condition(member: Member) -> tuple[str, bool, bool]:
+    return member.state, member.unreachable, member.held

@@ -43,15 +43,19 @@ from llmhost.gateway.mapping import BackendRequest
 # "your request is wrong" (400): the backend's (llmhost.backend.watchdog, health.py,
 # model.py, engine.py) and Triton's own for a model it does not serve now ("Request for
 # unknown model: 'm' has no available versions" while it unloads on stop, "... is not
-# found", "Server not ready", "Stub process 'm_0_0' is not healthy." when the python
-# backend's stub missed its health check; the gateway sends only the models it serves,
-# so this upstream cannot serve it now and the request is retried on another). Only the
+# found", "Server not ready"; the gateway sends only the models it serves, so this
+# upstream cannot serve it now and the request is retried on another). Only the
 # beginning counts: a message that echoes a client's text (an unknown parameter's
 # name) begins with the backend's own words, so no client can make an upstream look
 # unavailable to every other client.
 _UNAVAILABLE_PREFIXES = ("the model's engine stopped (", "the model is shutting down",
                          "Model is unavailable due to unhealthy vLLM engine", "Request for unknown model: ",
-                         "Server not ready", "Stub process '")
+                         "Server not ready")
+# Triton's python backend failed to hand this one request to its stub: "Stub process
+# 'm_0_0' is not healthy." when the stub's health thread did not mark it healthy within
+# a second (Triton 24.10 checks that while it waits for the stub; a busy machine makes
+# a thread wait that long, docs/testing.md). The stub and the model go on serving.
+_NOT_STARTED_PREFIXES = ("Stub process ",)
 _MAX_MESSAGE = 64 * 1024 * 1024
 # How long a finished call may take to end after the client half-closed it (Triton
 # ends it at once); after that it is cancelled.
@@ -214,10 +218,21 @@ class Draining(ApiError):
         super().__init__(503, message, "service_unavailable_error", None, "upstream_unavailable")
 
 
+class NotStarted(ApiError):
+    """The server could not hand this request to its model this time, and nothing of
+    it was produced (503): the pool tries it once more (on another upstream where one
+    serves the model, else on the same) and leaves the upstream in service."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, "service_unavailable_error", None, "upstream_unavailable")
+
+
 def classify(message: str) -> ApiError:
     """A backend error message -> the error the client sees."""
     if message.startswith(_UNAVAILABLE_PREFIXES):
         return Draining(message)
+    if message.startswith(_NOT_STARTED_PREFIXES):
+        return NotStarted(message)
     if message.startswith("internal error"):
         return ApiError(500, message, "server_error", None, "internal_error")
     return invalid(message, None, "invalid_request")
