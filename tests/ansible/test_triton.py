@@ -94,11 +94,12 @@ def test_a_start_that_never_answers_fails_within_the_ready_timeout(tmp_path: Pat
     lines = unit.splitlines()
     posts = [shlex.split(ln.removeprefix("ExecStartPost=")) for ln in lines if ln.startswith("ExecStartPost=")]
     assert posts == [[f"{VENV}/bin/python", "-I", "-m", "llmhost.server.startcheck",
-                      "--url", "http://127.0.0.1:18000", "--timeout-s", "420"]], unit
+                      "--url", "http://127.0.0.1:18000", "--timeout-s", "420",
+                      "--repository", "/opt/llmhost/models"]], unit
     assert "TimeoutStartSec=450" in lines and "Restart=always" in lines, unit
     # The check's arguments are the ones it takes.
     from llmhost.server import startcheck
-    assert startcheck.main([*posts[0][4:6], "--timeout-s", "0.5"]) == 1
+    assert startcheck.main([*posts[0][4:6], "--timeout-s", "0.5", *posts[0][8:10]]) == 1
 
 
 def test_grpc_over_tls_gets_the_certificate_as_credentials(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.server import Server, start_server, wait_gone
+from tests.harness.vllm_server import ENGINE_ARGS, VllmServer, vllm_server
 
 
 # Package scope: the server stops once the e2e tests are done, so it does not hold
@@ -27,6 +28,16 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     srv.stop()
     left = wait_gone(kids)
     assert not left, f"processes left after SIGTERM: {[p.pid for p in left]}"
+
+
+# vLLM's own server on the tiny model as the e2e server serves it (the same name, engine
+# arguments and tool parser): what tests/e2e/test_openai_parity.py and test_tools.py
+# compare the gateway with. One start for both: each takes a minute or more here.
+@pytest.fixture(scope="package")
+def vllm_tiny(tiny_model: Path, server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    with vllm_server(tiny_model, tmp_path_factory.mktemp("vllm-serve"), server.name,
+                     [*ENGINE_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as vllm:
+        yield vllm
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -163,8 +163,7 @@ def test_an_image_chat_matches_vllm_serve(vision_chat, vision_model, tmp_path_fa
     prompt tokens, answer and log probabilities at temperature 0."""
     import openai
 
-    from tests.e2e.test_openai_parity import ENGINE_ARGS
-    from tests.harness.vllm_server import vllm_server
+    from tests.harness.vllm_server import ENGINE_ARGS, vllm_server
 
     messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
                                              {"type": "image_url", "image_url": {"url": _data_url(RED)}},

@@ -5,7 +5,6 @@ and engine arguments: at temperature 0, the same tokens, log probabilities (with
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -13,19 +12,15 @@ import pytest
 
 from tests.harness.gateway import KEY, keyed_gateway, openai_client, stop_gateway
 from tests.harness.net import CLIENT_TIMEOUT_S
-from tests.harness.vllm_server import vllm_server
+from tests.harness.vllm_server import VllmServer
 
 PROMPT = "def fibonacci(n):"
 TOLERANCE = 1e-3
-# The e2e server's engine arguments (tests/harness/server.py), for vLLM's server too.
-ENGINE_ARGS = ["--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16",
-               "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
 
 
 @pytest.fixture(scope="module")
-def theirs(tiny_model: Path, server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    with vllm_server(tiny_model, tmp_path_factory.mktemp("vllm-serve"), server.name, ENGINE_ARGS) as vllm:
-        yield openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+def theirs(vllm_tiny: VllmServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=vllm_tiny.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,10 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.test_openai_parity import ENGINE_ARGS
 from tests.harness.gateway import openai_client
 from tests.harness.net import CLIENT_TIMEOUT_S
 from tests.harness.server import Server, start_server, wait_gone
-from tests.harness.vllm_server import vllm_server
+from tests.harness.vllm_server import ENGINE_ARGS, vllm_server
 
 PARSER = "deepseek_r1"
 MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]

@@ -1,6 +1,7 @@
 """Tool calling through the gateway, with the official `openai` client, against vLLM's
 own server (`vllm serve --enable-auto-tool-choice --tool-call-parser hermes`) on the
-same tiny model: the e2e server's model has tool_parser hermes (tests/e2e/conftest.py).
+same tiny model (tests/e2e/conftest.py's vllm_tiny): the e2e server's model has
+tool_parser hermes.
 The model is random, so the calls are forced (a named function, or "required"), where
 vLLM constrains the output to the tools' schema."""
 
@@ -8,26 +9,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from tests.e2e.test_openai_parity import ENGINE_ARGS
 from tests.harness.gateway import openai_client
 from tests.harness.net import CLIENT_TIMEOUT_S
 from tests.harness.openai_checks import TIME, WEATHER
-from tests.harness.vllm_server import vllm_server
+from tests.harness.vllm_server import VllmServer
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def theirs(tiny_model: Path, server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    with vllm_server(tiny_model, tmp_path_factory.mktemp("vllm-tools"), server.name,
-                     [*ENGINE_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as vllm:
-        yield openai.OpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+def theirs(vllm_tiny: VllmServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=vllm_tiny.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

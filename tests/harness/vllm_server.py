@@ -25,6 +25,9 @@ import requests
 
 from tests.harness.net import ENGINE_ENV, free_port
 
+# The e2e server's engine arguments (tests/harness/server.py), for vLLM's server too.
+ENGINE_ARGS = ["--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16",
+               "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
 START_TIMEOUT_S = 300
 STARTS = 2
 

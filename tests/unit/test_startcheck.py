@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,6 +111,104 @@ def test_the_bound_must_be_positive(capsys):
     assert exc.value.code == 2 and "--timeout-s must be > 0" in capsys.readouterr().err
 
 
+# -- a start whose model instances all initialised, and that still does not answer ------
+
+def _repository(root: Path, **models: dict) -> Path:
+    """A model repository with each model's config.pbtxt from the package's template."""
+    from llmhost.server.layout import render
+
+    for name, entry in models.items():
+        (root / "models" / name).mkdir(parents=True)
+        (root / "models" / name / "config.pbtxt").write_text(render("config.pbtxt.j2", model={"name": name, **entry}))
+    return root / "models"
+
+
+def _open_socket(directory: Path, model: str, instance: str) -> socket.socket:
+    """An engine socket as the backend opens one (llmhost.backend.stream_socket.socket_path)."""
+    (directory / model).mkdir(parents=True, exist_ok=True)
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(directory / model / f"1-{instance}.sock"))
+    s.listen(1)
+    return s
+
+
+def test_the_instances_each_model_asks_for_come_from_its_config(tmp_path):
+    repo = _repository(tmp_path, cpu={}, two={"instance_count": 2},
+                       gpus={"instance_count": 2, "kind": "KIND_GPU", "gpus": [0, 1, 2]})
+    assert startcheck.expected_instances(repo) == {"cpu": 1, "gpus": 6, "two": 2}
+    # What is not one instance group read so gives no expectation: only the bound applies.
+    (repo / "two" / "config.pbtxt").write_text('name: "two"\nbackend: "vllm"\n')
+    assert startcheck.expected_instances(repo) is None
+    (repo / "two" / "config.pbtxt").write_text('instance_group [ { count: 1 kind: KIND_CPU } ]\n')
+    assert startcheck.expected_instances(repo) is None  # on one line: not read so
+    assert startcheck.expected_instances(tmp_path / "empty") is None
+
+
+def test_initialised_once_every_instance_opened_its_socket_in_this_start(tmp_path):
+    repo = _repository(tmp_path, a={"instance_count": 2}, b={})
+    expected = startcheck.expected_instances(repo)
+    engine = tmp_path / "engine"
+    kept = [_open_socket(engine, "b", "b_0")]  # left from an earlier start
+    since = time.time() + 0.05
+    time.sleep(0.1)
+    try:
+        assert startcheck.initialised_at(engine, expected, since) is None
+        kept.append(_open_socket(engine, "a", "a_0"))
+        kept.append(_open_socket(engine, "a", "a_1"))
+        assert startcheck.initialised_at(engine, expected, since) is None  # b's socket is older than the start
+        (engine / "b" / "1-b_0.sock").unlink()
+        kept.append(_open_socket(engine, "b", "b_0"))
+        done = startcheck.initialised_at(engine, expected, since)
+        assert done is not None and since <= done <= time.time()
+    finally:
+        for k in kept:
+            k.close()
+
+
+def test_a_silent_server_whose_instances_all_initialised_fails_before_the_bound(procs, capsys, tmp_path,
+                                                                                monkeypatch):
+    port = free_port()
+    procs.append(_spawn(SILENT, str(port)))
+    _listening(port)
+    repo = _repository(tmp_path, tiny={})
+    engine = tmp_path / "engine"
+    monkeypatch.setenv(startcheck.SOCKET_DIR_ENV, str(engine))
+    opened: list[socket.socket] = []
+    timer = threading.Timer(1.0, lambda: opened.append(_open_socket(engine, "tiny", "tiny_0")))
+    timer.start()
+    try:
+        rc = startcheck.main(["--url", f"http://127.0.0.1:{port}", "--timeout-s", "120", "--repository", str(repo),
+                              "--stuck-after-s", "2"])
+    finally:
+        timer.cancel()
+        for s in opened:
+            s.close()
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "every model instance initialised" in err and "taken as a start that hangs" in err, err
+
+
+def test_a_server_still_initialising_waits_for_the_bound(procs, capsys, tmp_path, monkeypatch):
+    """One instance of two opened its socket: nothing says the start is stuck yet."""
+    port = free_port()
+    procs.append(_spawn(SILENT, str(port)))
+    _listening(port)
+    repo = _repository(tmp_path, tiny={"instance_count": 2})
+    engine = tmp_path / "engine"
+    monkeypatch.setenv(startcheck.SOCKET_DIR_ENV, str(engine))
+    since = time.time()
+    opened = _open_socket(engine, "tiny", "tiny_0")
+    try:
+        assert startcheck.initialised_at(engine, startcheck.expected_instances(repo), since) is None
+        rc = startcheck.main(["--url", f"http://127.0.0.1:{port}", "--timeout-s", "4", "--repository", str(repo),
+                              "--stuck-after-s", "1"])
+    finally:
+        opened.close()
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "within 4 s" in err and "every model instance initialised" not in err, err
+
+
 # `llmhost serve`'s loop with a stand-in for tritonserver: the first start never answers
 # (it only sleeps), the next answers like a served model. The real run() (its signal
 # handling, restart limit, leftovers reaping), only prepare() replaced.
@@ -128,16 +227,26 @@ if first == "hang" and not marker.exists():
     marker.write_text("started once")
     import time
     time.sleep(3600)
+if first == "stuck" and not marker.exists():  # the model initialised, the server never opens its port
+    marker.write_text("started once")
+    import socket, time
+    (marker.parent / "engine" / "tiny").mkdir(parents=True, exist_ok=True)
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(marker.parent / "engine" / "tiny" / "1-tiny_0.sock"))
+    time.sleep(3600)
 model_status = "400" if first == "model-fails" else "200"
 sys.argv = ["answering", port, model_status]
 exec(Path(answering).read_text())
 ''')
 answering = work / "answering.py"
 answering.write_text(sys.argv[4])
+if first == "stuck":  # the repository, as prepare() makes it: one model of one instance
+    (work / "models" / "tiny").mkdir(parents=True, exist_ok=True)
+    (work / "models" / "tiny" / "config.pbtxt").write_text("instance_group [\n  {\n    count: 1\n  }\n]\n")
 serve.prepare = lambda opts: ([sys.executable, str(fake), str(work / "marker"), str(port), first, str(answering)],
                               dict(__import__("os").environ), work)
 opts = serve.ServeOptions(model=work, name="tiny", http_port=port)
-sys.exit(serve.run(opts, start_timeout_s=3, max_restarts=2))
+sys.exit(serve.run(opts, start_timeout_s=120 if first == "stuck" else 3, max_restarts=2, stuck_after_s=2))
 """
 
 
@@ -169,6 +278,22 @@ def test_serve_kills_a_start_that_never_answers_and_starts_it_again(tmp_path):
     assert (tmp_path / "marker").exists()
     assert "taken as a start that hangs" in out and "did not answer within 3 s; restarting it" in out, out
     assert "llmhost serve: ready." in out, out
+    assert proc.returncode == 0, out
+
+
+def test_serve_kills_a_start_whose_model_initialised_but_that_never_answers(tmp_path):
+    proc, port = _serve(tmp_path, "stuck")
+    try:
+        deadline = time.monotonic() + 100  # under the start's bound (120 s)
+        while time.monotonic() < deadline and not startcheck.answers(f"http://127.0.0.1:{port}"):
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.2)
+        assert startcheck.answers(f"http://127.0.0.1:{port}")
+        time.sleep(1.5)
+    finally:
+        out = _stop(proc)
+    assert "every model instance initialised" in out and "taken as a start that hangs" in out, out
+    assert "within 120 s" not in out and "llmhost serve: ready." in out, out
     assert proc.returncode == 0, out
 
 

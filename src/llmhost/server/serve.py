@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from llmhost.server.admin_key import HEADER as ADMIN_HEADER
 from llmhost.server.admin_key import ensure_key_file, restriction
 from llmhost.server.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir, render
 from llmhost.server.placement import plan
-from llmhost.server.startcheck import answers
+from llmhost.server.startcheck import STUCK_AFTER_S, StuckStart, answers, initialisation_watch
 from llmhost.server.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop, remove_stop_files
 from llmhost.server.stopserver import free_http_port
 
@@ -44,6 +45,7 @@ PR_SET_CHILD_SUBREAPER = 36
 ADMIN_KEY_FILE = "admin-key"
 # The folder of the engine sockets, in the work directory.
 ENGINE_SOCKET_DIR = "engine"
+REPOSITORY_DIR = "models"
 
 
 @dataclass
@@ -170,7 +172,7 @@ def prepare(opts: ServeOptions) -> tuple[list[str], dict[str, str], Path]:
     workdir.mkdir(parents=True, exist_ok=True)
     triton = TritonInstall.from_pytriton()
     make_backend_dir(workdir / "backends", triton)
-    repo = workdir / "models"
+    repo = workdir / REPOSITORY_DIR
     if repo.exists():
         shutil.rmtree(repo)
     model_dir = make_model_dir(repo, model_entry(opts, device))
@@ -221,7 +223,11 @@ def reap_leftovers(grace_s: float = 10.0) -> list[int]:
     return [p.pid for p in kids]
 
 
-def wait_ready(url: str, model: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> bool:
+def wait_ready(url: str, model: str, timeout_s: float, proc: subprocess.Popen[bytes],
+               initialised: Callable[[], float | None] | None = None, stuck_after_s: float = STUCK_AFTER_S) -> bool:
+    """Whether MODEL is ready at URL within TIMEOUT_S while PROC runs. Raises StuckStart
+    (llmhost.server.startcheck) once INITIALISED() lies STUCK_AFTER_S in the past and
+    the server does not answer."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -230,6 +236,10 @@ def wait_ready(url: str, model: str, timeout_s: float, proc: subprocess.Popen[by
                     return True
         except OSError:
             pass
+        done = initialised() if initialised is not None else None
+        if done is not None and time.time() - done >= stuck_after_s and not answers(url):
+            raise StuckStart(f"every model instance initialised {time.time() - done:.0f} s ago and tritonserver "
+                             f"still does not answer at {url}")
         time.sleep(1)
     return False
 
@@ -275,13 +285,15 @@ def _say(message: str) -> None:
     print(f"llmhost serve: {message}", file=sys.stderr, flush=True)
 
 
-def run(opts: ServeOptions, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, max_restarts: int = RESTART_BURST) -> int:
+def run(opts: ServeOptions, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, max_restarts: int = RESTART_BURST,
+        stuck_after_s: float = STUCK_AFTER_S) -> int:
     """Run tritonserver until SIGINT/SIGTERM; like systemd with Restart=always, a
     tritonserver that exits unasked after it was ready is restarted (after its
     leftovers are reaped), at most MAX_RESTARTS times within RESTART_INTERVAL_S.
     Like the unit's start check (llmhost.server.startcheck), one that does not
     answer at all within START_TIMEOUT_S is taken as a start that hangs: it is
-    killed and started again, within the same limit."""
+    killed and started again, within the same limit; so is one whose model instances
+    all opened their engine sockets STUCK_AFTER_S ago while it still does not answer."""
     cmd, env, workdir = prepare(opts)
     _become_subreaper()
     stopping = threading.Event()
@@ -306,14 +318,19 @@ def run(opts: ServeOptions, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ma
     signal.signal(signal.SIGTERM, forward)
     url = f"http://{opts.host}:{opts.http_port}"
 
-    def announce(proc: subprocess.Popen[bytes], served: threading.Event, hung: threading.Event) -> None:
-        if wait_ready(url, opts.name, start_timeout_s, proc):
+    def announce(proc: subprocess.Popen[bytes], served: threading.Event, hung: list[str], since: float) -> None:
+        watch = initialisation_watch(workdir / REPOSITORY_DIR, workdir / ENGINE_SOCKET_DIR, since)
+        try:
+            ready, stuck = wait_ready(url, opts.name, start_timeout_s, proc, watch, stuck_after_s), ""
+        except StuckStart as exc:
+            ready, stuck = False, str(exc)
+        if ready:
             served.set()
-        elif proc.poll() is None and not stopping.is_set() and not answers(url):
+        elif proc.poll() is None and not stopping.is_set() and (stuck or not answers(url)):
             # Not a model that failed to load (the server would answer then): a start that hangs.
-            hung.set()
-            _say(f"tritonserver did not answer at {url} within {start_timeout_s:g} s (--start-timeout): "
-                 "taken as a start that hangs; killing it to start it again")
+            hung.append(f"did not answer: {stuck}" if stuck else f"did not answer within {start_timeout_s:g} s")
+            _say(f"tritonserver {stuck or f'did not answer at {url} within {start_timeout_s:g} s (--start-timeout)'}"
+                 ": taken as a start that hangs; killing it to start it again")
             with contextlib.suppress(OSError):
                 proc.kill()
         if served.is_set() and not stopping.is_set():
@@ -340,20 +357,22 @@ def run(opts: ServeOptions, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ma
     while True:
         print(f"llmhost serve: starting tritonserver for model '{opts.name}' ({workdir})", flush=True)
         remove_stop_files(stop_file)
+        started = time.time()
         proc = subprocess.Popen(cmd, env=env)
         current[:] = [proc]
         if stopping.is_set():  # a signal that came while no tritonserver ran
             proc.send_signal(signal.SIGTERM)
-        served, hung = threading.Event(), threading.Event()
-        threading.Thread(target=announce, args=(proc, served, hung), daemon=True).start()
+        served = threading.Event()
+        hung: list[str] = []  # why the start was taken as one that hangs
+        threading.Thread(target=announce, args=(proc, served, hung, started), daemon=True).start()
         rc = proc.wait()
         reaped = reap_leftovers()
         if reaped:
             print(f"llmhost serve: reaped {len(reaped)} leftover process(es): {reaped}", file=sys.stderr, flush=True)
         if stopping.is_set():
             return 0 if rc in (0, -signal.SIGTERM) else rc
-        why = f"did not answer within {start_timeout_s:g} s" if hung.is_set() else exit_reason(rc)
-        if not served.is_set() and not hung.is_set():
+        why = hung[0] if hung else exit_reason(rc)
+        if not served.is_set() and not hung:
             # A start that failed (a port in use, a model that does not load) would fail again.
             print(f"llmhost serve: tritonserver {why} before it was ready; not restarting it",
                   file=sys.stderr, flush=True)
