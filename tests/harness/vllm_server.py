@@ -1,11 +1,14 @@
 """vLLM's own OpenAI server (`vllm serve`), started for real on a model folder: what
 the gateway's answers are compared with.
 
-A start that has not answered within START_TIMEOUT_S is taken as hung and started once
-more: in one CI run (2 slow cores, the system tests' hosts beside it) `vllm serve`
-wrote nothing for 300 s after its engine's OpenMP binding and never answered. Before
-it is killed, each Python process of the hung start writes where its threads wait
-(faulthandler, on SIGABRT) to the log, which the error quotes."""
+A start may take long on two cores shared with the system tests' hosts: in one CI run
+`vllm serve` wrote nothing for 300 s after its engine's OpenMP binding, and here one
+was still importing its worker's modules after 300 s (the two-host roll beside it). So
+a start gets up to START_TIMEOUT_S while its processes keep using the CPU, and is taken
+as hung (and started once more) when they used less than STALL_CPU_S of it in the last
+STALL_S. Before a start that did not answer is stopped, each of its Python processes
+writes where its threads are (faulthandler, on SIGABRT) to the log, which the error
+quotes."""
 
 from __future__ import annotations
 
@@ -28,7 +31,9 @@ from tests.harness.net import ENGINE_ENV, free_port
 # The e2e server's engine arguments (tests/harness/server.py), for vLLM's server too.
 ENGINE_ARGS = ["--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16",
                "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
-START_TIMEOUT_S = 300
+START_TIMEOUT_S = 900
+STALL_S = 120
+STALL_CPU_S = 2.0
 STARTS = 2
 
 
@@ -48,12 +53,12 @@ def vllm_server(model: Path, workdir: Path, name: str, engine_args: list[str]) -
         log = workdir / f"vllm-serve-{start}.log"
         proc = _start(model, workdir, name, engine_args, port, log)
         try:
-            if _wait_ready(proc, f"http://127.0.0.1:{port}/health", log):
+            why = _not_ready(proc, f"http://127.0.0.1:{port}/health", log)
+            if why is None:
                 yield VllmServer(f"http://127.0.0.1:{port}/v1", log)
                 return
             _dump_stacks(proc, log)
-            hung.append(f"start {start}: not ready after {START_TIMEOUT_S} s ({log}):\n"
-                        f"{log.read_text(errors='replace')[-6000:]}")
+            hung.append(f"start {start}: {why} ({log}):\n{log.read_text(errors='replace')[-6000:]}")
         finally:
             _stop_session(proc)
     raise RuntimeError(f"vllm serve did not answer in {STARTS} starts:\n" + "\n".join(hung))
@@ -67,7 +72,7 @@ def _start(model: Path, workdir: Path, name: str, engine_args: list[str], port: 
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
            *engine_args]
-    with log.open("wb") as out:
+    with log.open("ab") as out:  # appending: the lines the harness adds are not written over
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -85,10 +90,11 @@ def _dump_stacks(proc: subprocess.Popen[bytes], log: Path) -> None:
     """Every Python process of PROC's session writes its threads' stacks to LOG and
     ends (PYTHONFAULTHANDLER: SIGABRT); the rest of the session is stopped after."""
     with log.open("ab") as out:
-        out.write(f"\n--- not ready after {START_TIMEOUT_S} s: the stacks of every process ---\n".encode())
+        out.write(b"--- the stacks of every process ---\n")
     for p in _session(proc):
         with contextlib.suppress(psutil.Error):
             p.send_signal(signal.SIGABRT)
+            p.send_signal(signal.SIGCONT)  # a stopped process writes its stacks too
     time.sleep(3)
 
 
@@ -103,18 +109,35 @@ def _stop_session(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=wait_s)
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], health: str, log: Path) -> bool:
-    """Whether `vllm serve` answered its health check within START_TIMEOUT_S; an exit
-    is an error at once."""
-    deadline = time.monotonic() + START_TIMEOUT_S
+def _cpu_s(proc: subprocess.Popen[bytes]) -> float:
+    """CPU seconds used so far by the processes of PROC's session that are alive."""
+    total = 0.0
+    for p in _session(proc):
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def _not_ready(proc: subprocess.Popen[bytes], health: str, log: Path) -> str | None:
+    """None once `vllm serve` answers its health check; why not, after START_TIMEOUT_S
+    or once its processes used less than STALL_CPU_S of CPU in STALL_S (stalled). An
+    exit is an error at once."""
+    start = time.monotonic()
+    marks: list[tuple[float, float]] = []  # (when, CPU seconds used by then)
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
         try:
             if requests.get(health, timeout=2).status_code == 200:
-                return True
+                return None
         except requests.RequestException:
             pass
-        if time.monotonic() > deadline:
-            return False
+        now = time.monotonic()
+        marks.append((now, _cpu_s(proc)))
+        earlier = [m for m in marks if m[0] <= now - STALL_S]
+        if earlier and marks[-1][1] - earlier[-1][1] < STALL_CPU_S:
+            return f"stalled: less than {STALL_CPU_S:g} s of CPU in the last {STALL_S} s ({now - start:.0f} s in)"
+        if now - start > START_TIMEOUT_S:
+            return f"not ready after {START_TIMEOUT_S} s"
         time.sleep(1)
