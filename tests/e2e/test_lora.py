@@ -16,8 +16,7 @@ from tests.harness.server import Server, start_server, wait_gone
 
 PROMPT = "def parse(line):"
 GREEDY = {"text_input": PROMPT, "max_tokens": 12, "temperature": 0, "exclude_input_in_output": True}
-LORA_ARGS = ["--engine-arg", "enable_lora=true", "--engine-arg", "max_lora_rank=8", "--engine-arg", "max_loras=2",
-             "--max-restarts", "0"]
+LORA_ARGS = ["--engine-arg", "enable_lora=true", "--engine-arg", "max_lora_rank=8", "--engine-arg", "max_loras=2"]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +109,7 @@ def test_bad_multi_lora_json_fails_the_load(tiny_model: Path, tmp_path: Path, co
     multi.write_text(content)
     workdir = tmp_path / "serve"
     with pytest.raises(RuntimeError, match="llmhost serve exited with"):
-        srv = start_server(tiny_model, workdir, extra=[*LORA_ARGS, "--multi-lora", str(multi)])
+        srv = start_server(tiny_model, workdir, extra=[*LORA_ARGS, "--max-restarts", "0", "--multi-lora", str(multi)])
         srv.stop()  # it served: stop it before the test fails
     log = "\n".join(p.read_text(errors="replace") for p in sorted(workdir.rglob("serve.log")))
     load_errors = [line for line in log.splitlines() if "failed to load 'tiny' version" in line]
