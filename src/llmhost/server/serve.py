@@ -37,7 +37,7 @@ from llmhost.server.admin_key import HEADER as ADMIN_HEADER
 from llmhost.server.admin_key import ensure_key_file, restriction
 from llmhost.server.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir, render
 from llmhost.server.placement import plan
-from llmhost.server.startcheck import STUCK_AFTER_S, StuckStart, answers, initialisation_watch
+from llmhost.server.startcheck import STUCK_AFTER_S, StuckStart, answers, initialisation_watch, raise_if_stuck
 from llmhost.server.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop, remove_stop_files
 from llmhost.server.stopserver import free_http_port
 
@@ -236,10 +236,7 @@ def wait_ready(url: str, model: str, timeout_s: float, proc: subprocess.Popen[by
                     return True
         except OSError:
             pass
-        done = initialised() if initialised is not None else None
-        if done is not None and time.time() - done >= stuck_after_s and not answers(url):
-            raise StuckStart(f"every model instance initialised {time.time() - done:.0f} s ago and tritonserver "
-                             f"still does not answer at {url}")
+        raise_if_stuck(url, initialised, stuck_after_s)
         time.sleep(1)
     return False
 

@@ -94,6 +94,16 @@ def answers(url: str, timeout_s: float = REQUEST_TIMEOUT_S) -> bool:
         return False
 
 
+def raise_if_stuck(url: str, initialised: Callable[[], float | None] | None, stuck_after_s: float,
+                   probe: Callable[[str], bool] = answers) -> None:
+    """Raise StuckStart when INITIALISED() (when every model instance initialised, wall
+    clock) lies STUCK_AFTER_S in the past and PROBE(URL) says the server does not answer."""
+    done = initialised() if initialised is not None else None
+    if done is not None and time.time() - done >= stuck_after_s and not probe(url):
+        raise StuckStart(f"every model instance initialised {time.time() - done:.0f} s ago "
+                         f"and tritonserver still does not answer at {url}")
+
+
 def wait_until_answering(url: str, timeout_s: float, poll_s: float = POLL_S,
                          probe: Callable[[str], bool] = answers,
                          initialised: Callable[[], float | None] | None = None,
@@ -105,10 +115,7 @@ def wait_until_answering(url: str, timeout_s: float, poll_s: float = POLL_S,
     while True:
         if probe(url):
             return True
-        done = initialised() if initialised is not None else None
-        if done is not None and time.time() - done >= stuck_after_s:
-            raise StuckStart(f"every model instance initialised {time.time() - done:.0f} s ago "
-                             f"and tritonserver still does not answer at {url}")
+        raise_if_stuck(url, initialised, stuck_after_s, lambda _url: False)
         if time.monotonic() >= deadline:
             return False
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
