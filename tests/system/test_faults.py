@@ -14,13 +14,15 @@ import hashlib
 import http.client
 import http.server
 import json
+import os
 import re
 import shlex
+import signal
 import subprocess
 import tarfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,36 +233,43 @@ def test_sigkill_of_engine_core_fails_requests_then_the_unit_restarts_without_or
           "segments of the old instance, none left")
 
 
+def _outer_pid(host: BootedHost, inner: int) -> int:
+    """This machine's PID of the host's process INNER (the host has a PID namespace of its own)."""
+    namespace = os.readlink(f"/proc/{host.leader}/ns/pid")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.readlink(entry / "ns" / "pid") != namespace:
+                continue
+            nspid = next(line for line in (entry / "status").read_text().splitlines() if line.startswith("NSpid:"))
+        except (OSError, StopIteration):
+            continue
+        if int(nspid.split()[-1]) == inner:
+            return int(entry.name)
+    raise AssertionError(f"no process of the host has the PID {inner} there")
+
+
 def _stream_then_kill_engine(host: BootedHost, url: str, pid: int) -> tuple[_Stream, threading.Thread, float]:
     """Start a stream and SIGKILL the EngineCore PID while it is surely in flight.
 
-    A helper in the host waits for lines on stdin (starting a process there takes
-    seconds while vLLM keeps both cores busy, longer than the tiny model needs for a
-    whole stream): once the stream has sent its first event it freezes the engine
-    (SIGSTOP); if the stream still ended before the freeze, the engine is thawed and
-    another stream tried, else the frozen engine is killed. Returns the stream, its
-    client thread and when the kill was sent."""
+    The tiny model writes a whole stream in about a second, less than a command in the
+    host takes to start while vLLM keeps both cores busy. So the client thread itself
+    freezes the engine (SIGSTOP, from this machine, which sees the host's processes)
+    the moment the stream's first event arrives; if the stream still ended before the
+    freeze, the engine is thawed and another stream tried, else the frozen engine is
+    killed. Returns the stream, its client thread and when the kill was sent."""
+    engine = _outer_pid(host, pid)
     for _ in range(3):
-        helper = host.popen(f"echo ready\nread go || exit 1\nkill -STOP {pid}\necho frozen\n"
-                            f"read sig || exit 1\nkill -$sig {pid}\n")
         stream = _Stream()
-        client = threading.Thread(target=_stream, args=(url, stream))
-        try:
-            assert helper.stdin is not None and helper.stdout is not None
-            assert helper.stdout.readline().strip() == "ready", helper.stderr
-            client.start()
-            assert stream.started.wait(120) and stream.events, stream.error
-            helper.stdin.write("go\n")
-            helper.stdin.flush()
-            assert helper.stdout.readline().strip() == "frozen", helper.stderr
-            time.sleep(1)  # what the engine sent before the freeze reaches the client
-            ended = not client.is_alive() or stream.events[-1].get("finish_reason") == "length"
-            t0 = time.monotonic()
-            out, err = helper.communicate("CONT\n" if ended else "KILL\n", timeout=60)
-            assert helper.returncode == 0, out + err
-        finally:
-            if helper.poll() is None:
-                helper.kill()
+        client = threading.Thread(target=_stream, args=(url, stream),
+                                  kwargs={"on_first_event": lambda: os.kill(engine, signal.SIGSTOP)})
+        client.start()
+        assert stream.started.wait(120) and stream.events, stream.error
+        time.sleep(1)  # what the engine sent before the freeze reaches the client
+        ended = not client.is_alive() or stream.events[-1].get("finish_reason") == "length"
+        t0 = time.monotonic()
+        os.kill(engine, signal.SIGCONT if ended else signal.SIGKILL)
         if not ended:
             return stream, client, t0
         client.join(60)
@@ -279,13 +288,16 @@ class _Stream:
     error: str | None = None
 
 
-def _stream(url: str, out: _Stream, tokens: int = STREAM_TOKENS) -> None:
+def _stream(url: str, out: _Stream, tokens: int = STREAM_TOKENS,
+            on_first_event: Callable[[], None] | None = None) -> None:
     body = {"text_input": "def main():", "max_tokens": tokens, "ignore_eos": True, "stream": True,
             "return_num_output_tokens": True, "return_finish_reason": True}
     try:
         with requests.post(f"{url}/v2/models/{MODEL}/generate_stream", json=body, stream=True, timeout=120) as r:
             for line in r.iter_lines(chunk_size=1, decode_unicode=True):
                 if line:
+                    if on_first_event is not None and not out.events:
+                        on_first_event()
                     out.events.extend(parse_sse([line]))
                     out.last_event_at = time.monotonic()
                     out.first_event_at = out.first_event_at or out.last_event_at

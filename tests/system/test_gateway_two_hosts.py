@@ -401,6 +401,20 @@ def _pool_changes(c: GatewayOnly) -> list[str]:
             if ": upstream " in line][-60:]
 
 
+# What a start of tritonserver leaves in its unit's journal: systemd's lines about the unit,
+# the start check's verdict (llmhost.server.startcheck), Triton's model loads.
+_START_LINES = re.compile(r"tritonserver\.service: |Started |Stopped |Stopping |tritonserver answers at "
+                          r"|taken as a start that hangs|successfully loaded|failed to load|not healthy")
+
+
+def _starts(host: BootedHost, since_epoch: float) -> list[str]:
+    """The lines of HOST's tritonserver journal since SINCE_EPOCH that tell how its starts went."""
+    log = host.exec(["journalctl", "-u", "tritonserver", "--no-pager", "-o", "short-precise",
+                     f"--since=@{since_epoch:.0f}"]).stdout
+    return [f"{line.split()[2]} {line.split(': ', 1)[-1][:160]}" for line in log.splitlines()
+            if _START_LINES.search(line)][-40:]
+
+
 def _counts(outcomes: list[_Outcome]) -> str:
     failed = [o for o in outcomes if not o.ok]
     return (f"failed requests: {len(failed)} of {len(outcomes)} "
@@ -533,6 +547,7 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
     marks: list[tuple[str, float]] = []  # (what ran up to then, when it ended)
 
     traffic.start()
+    began_epoch = time.time()
     try:
         time.sleep(3)
         began = time.monotonic()
@@ -583,6 +598,9 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
         everything = traffic.between(began, marks[-1][1]) if marks else []
         record_property(FIGURE, f"all through C during the rolls: {_counts(everything)}")
         record_property(FIGURE, "what C's gateway saw of its upstreams: " + "; ".join(_pool_changes(c)))
+        for name, host in (("A", a.host), ("B", b.host)):
+            record_property(FIGURE, f"tritonserver's starts on {name} during the rolls: "
+                            + "; ".join(_starts(host, began_epoch)))
 
     ends = [end for _, end in marks]
     assert all(len(traffic.between(t0, t1)) >= 4 for t0, t1 in zip([began, *ends], ends, strict=False)), marks
