@@ -403,7 +403,7 @@ def _pool_changes(c: GatewayOnly) -> list[str]:
 
 # What a start of tritonserver leaves in its unit's journal: systemd's lines about the unit,
 # the start check's verdict (llmhost.server.startcheck), Triton's model loads.
-_START_LINES = re.compile(r"tritonserver\.service: |Started |Stopped |Stopping |tritonserver answers at "
+_START_LINES = re.compile(r"tritonserver\.service: |(Started|Stopped|Stopping) tritonserver|tritonserver answers at "
                           r"|taken as a start that hangs|successfully loaded|failed to load|not healthy")
 
 
