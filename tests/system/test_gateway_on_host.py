@@ -48,18 +48,22 @@ def _base(c: Converged) -> str:
     return f"http://127.0.0.1:{c.ports['gateway']}/v1"
 
 
+def _series(c: Converged, name: str) -> list[float]:
+    """The values of the gateway's series NAME (every label set), from its /metrics."""
+    text = requests.get(f"http://{METRICS_ADDRESS}:{c.ports['gateway_metrics']}/metrics", timeout=10).text
+    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _gateway_serving(converged: Converged) -> None:
     """The tests that ran before on the session's host may have restarted tritonserver
     (tests/system/test_faults.py): first wait until the gateway has it in service again."""
-    metrics = f"http://{METRICS_ADDRESS}:{converged.ports['gateway_metrics']}/metrics"
 
-    def up() -> list[float]:
-        text = requests.get(metrics, timeout=10).text
-        return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("llmhost_gateway_upstream_up{")]
+    def in_service() -> bool:
+        up = _series(converged, "llmhost_gateway_upstream_up")
+        return bool(up) and all(v == 1.0 for v in up)
 
-    assert wait_until(lambda: up() and all(v == 1.0 for v in up()), 300, every_s=2), up()
+    assert wait_until(in_service, 300, every_s=2), _series(converged, "llmhost_gateway_upstream_up")
 
 
 def test_unit_is_active_enabled_and_not_root(converged: Converged):
@@ -186,11 +190,8 @@ def test_streams_go_through_the_engine_socket_only_the_gateway_may_use(converged
     refused = host.exec(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *connect])
     assert refused.returncode != 0 and "Permission denied" in refused.stderr, refused
 
-    metrics = f"http://{METRICS_ADDRESS}:{converged.ports['gateway_metrics']}/metrics"
-
     def lines() -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in requests.get(metrics, timeout=10).text.splitlines()
-                   if line.startswith("llmhost_gateway_upstream_transit_seconds_count{"))
+        return sum(_series(converged, "llmhost_gateway_upstream_transit_seconds_count"))
 
     client = openai.OpenAI(base_url=_base(converged), api_key=_key(converged), timeout=120, max_retries=0)
     asked = {"model": MODEL, "prompt": "import os", "max_tokens": 8, "temperature": 0.0,
