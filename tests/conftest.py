@@ -10,6 +10,8 @@ on each; every other module is a unit of its own and fills in after them.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,28 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return work_unit(nodeid)
 
     return Together(config, log)
+
+
+# The system tests' unit is the run's longest path (one booted host, then two more and
+# the rolls), and every core is busy for the whole run. So the processes of every other
+# test (its pytest worker and what it starts: tritonserver, vLLM, Ansible) run at a
+# lower CPU priority and take what the system tests leave; the booted hosts inherit the
+# system tests' worker's. Without root a process cannot raise its priority again: then
+# it stays as it is.
+LOWER_PRIORITY = 5
+
+
+def niceness(nodeid: str) -> int:
+    """The nice value the processes of a test run at: 0 for the system tests, else LOWER_PRIORITY."""
+    return 0 if work_unit(nodeid) == TOGETHER[0] else LOWER_PRIORITY
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before a test's fixtures start anything: this process at the test's niceness,
+    which the processes it starts inherit."""
+    with contextlib.suppress(PermissionError):
+        os.setpriority(os.PRIO_PROCESS, 0, niceness(item.nodeid))
 
 
 # A test that measures something for the record (the rolling test's request counts)

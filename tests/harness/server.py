@@ -18,7 +18,7 @@ from tests.harness.net import ENGINE_ENV, free_port
 # One start may take START_TIMEOUT_S until tritonserver answers; `llmhost serve` kills one
 # that has not (a start that hangs: docs/testing.md) and starts it again, so the tests wait
 # for that second start too.
-START_TIMEOUT_S = 300
+START_TIMEOUT_S = 600
 READY_TIMEOUT_S = 2 * START_TIMEOUT_S + 30
 # What `llmhost serve` prints once it has seen the model ready.
 SERVE_READY = "llmhost serve: ready."

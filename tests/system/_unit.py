@@ -12,8 +12,8 @@ from tests.system._converge import Converged
 
 UNIT = "tritonserver"
 # How long the play itself waits for tritonserver (roles/triton/vars: _triton_service_live_wait_s):
-# one start of triton_service_ready_timeout_s (300 s) that hangs, RestartSec (10 s), the next start.
-PLAY_WAIT_S = 2 * 300 + 10 + 30
+# one start of triton_service_ready_timeout_s (600 s) that hangs, RestartSec (10 s), the next start.
+PLAY_WAIT_S = 2 * 600 + 10 + 30
 USER = "llmhost"
 MODEL = "tiny"
 

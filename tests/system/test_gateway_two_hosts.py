@@ -319,7 +319,7 @@ def test_the_gateway_only_host_converges_to_no_change(gateway_only: GatewayOnly)
 NEW_VERSION = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1] + ".post1"  # type: ignore[index]
 ADMIN_KEY_FILE = "/etc/llmhost/llmhost-gateway-admin-key"
 LOAD_MAX_TOKENS = 8
-LOAD_PAUSE_S = 1.0  # between one client's requests: the rolls share this machine's two cores
+LOAD_PAUSE_S = 3.0  # between one client's requests: the rolls share this machine's two cores
 
 
 @dataclass

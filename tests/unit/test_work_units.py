@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tests.conftest import FIGURE, LAST, collection_order, figures, handed_out_first, work_unit
+from tests.conftest import (
+    FIGURE,
+    LAST,
+    LOWER_PRIORITY,
+    collection_order,
+    figures,
+    handed_out_first,
+    niceness,
+    work_unit,
+)
 
 
 def test_system_and_e2e_tests_are_one_unit_each_and_other_files_their_own():
@@ -32,6 +41,14 @@ def test_the_module_that_rolls_the_session_host_runs_last_among_the_system_tests
     assert sorted(ids, key=collection_order) == [
         "tests/system/test_provision.py::a", "tests/system/test_security.py::b",
         "tests/system/test_gateway_two_hosts.py::test_roll", "tests/e2e/test_b.py::y", "tests/unit/test_a.py::x"]
+
+
+def test_only_the_system_tests_run_at_the_normal_cpu_priority():
+    assert niceness("tests/system/test_gateway_two_hosts.py::test_roll") == 0
+    assert LOWER_PRIORITY > 0
+    for nodeid in ("tests/e2e/test_shutdown.py::a", "tests/ansible/test_gateway.py::b", "tests/unit/test_x.py::c",
+                   "tests/system_like/test_x.py::d"):
+        assert niceness(nodeid) == LOWER_PRIORITY, nodeid
 
 
 def test_figures_come_from_the_call_of_each_test_in_order():
