@@ -105,6 +105,15 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(line)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One vLLM cache folder for every server this worker starts (`llmhost serve` and
+    `vllm serve` keep a VLLM_CACHE_ROOT they are given), as a host keeps one for all its
+    starts: vLLM inspects a model's class in a process of its own (another import of
+    vLLM, about 10 s of CPU) only where its cache has no entry for that class yet."""
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.getbasetemp() / "vllm-cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from llmhost.tiny.model import write_tiny_model

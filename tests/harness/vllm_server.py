@@ -68,7 +68,8 @@ def vllm_server(model: Path, workdir: Path, name: str, engine_args: list[str]) -
 def _start(model: Path, workdir: Path, name: str, engine_args: list[str], port: int,
            log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1",
-               VLLM_CACHE_ROOT=str(workdir / "vllm-cache"), TMPDIR=str(workdir), PYTHONUNBUFFERED="1",
+               VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT") or str(workdir / "vllm-cache"),
+               TMPDIR=str(workdir), PYTHONUNBUFFERED="1",
                PYTHONFAULTHANDLER="1", **ENGINE_ENV)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
