@@ -1,10 +1,18 @@
 from __future__ import annotations
 
+import json
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.e2e._servers import (
+    BIG_PROMPT_LIMIT,
+    LORA_ARGS,
+    MODEL_STREAM_INTERVAL_MS,
+    ExplicitServers,
+    stop_leaving_nothing,
+)
 from tests.harness.server import Server, start_server, wait_gone
 from tests.harness.vllm_server import ENGINE_ARGS, VllmServer, vllm_server
 
@@ -38,6 +46,41 @@ def vllm_tiny(tiny_model: Path, server: Server, tmp_path_factory: pytest.TempPat
     with vllm_server(tiny_model, tmp_path_factory.mktemp("vllm-serve"), server.name,
                      [*ENGINE_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as vllm:
         yield vllm
+
+
+@pytest.fixture(scope="package")
+def lora_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from llmhost.tiny.lora import write_tiny_lora
+
+    root = tmp_path_factory.mktemp("adapters")
+    return {"alpha": write_tiny_lora(root / "alpha", seed=1), "beta": write_tiny_lora(root / "beta", seed=2)}
+
+
+# One server for three modules whose flags do not touch what the others check (each
+# start costs minutes here): LoRA with the adapters of multi_lora.json (test_lora.py),
+# a model stream window (test_vllm_backend_outputs.py: only streams are grouped, and
+# test_lora.py joins a stream's texts whatever their grouping), and a raised prompt
+# byte limit with two tokenizer threads (test_prompt_isolation.py: plain requests,
+# refused or answered before the engine).
+@pytest.fixture(scope="package")
+def tuned_server(tiny_model: Path, lora_adapters: dict[str, Path],
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    workdir = tmp_path_factory.mktemp("serve-tuned")
+    multi = workdir / "multi_lora.json"
+    multi.write_text(json.dumps({name: str(path) for name, path in lora_adapters.items()}))
+    srv = start_server(tiny_model, workdir,
+                       extra=[*LORA_ARGS, "--multi-lora", str(multi),
+                              "--setting", f"stream_interval_ms={MODEL_STREAM_INTERVAL_MS}",
+                              "--setting", f"max_prompt_bytes={BIG_PROMPT_LIMIT}", "--setting", "tokenizer_threads=2"])
+    yield srv
+    stop_leaving_nothing(srv)
+
+
+@pytest.fixture(scope="package")
+def explicit_servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExplicitServers]:
+    servers = ExplicitServers(tiny_model, tmp_path_factory)
+    yield servers
+    servers.stop()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

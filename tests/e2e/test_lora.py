@@ -4,38 +4,23 @@ multi_lora.json failing the load with a message naming it."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from llmhost.tiny.lora import write_tiny_lora
 from tests.e2e._client import generate, grpc_stream, sampling, stream, texts
-from tests.harness.server import Server, start_server, wait_gone
+from tests.e2e._servers import LORA_ARGS
+from tests.harness.server import Server, start_server
 
 PROMPT = "def parse(line):"
 GREEDY = {"text_input": PROMPT, "max_tokens": 12, "temperature": 0, "exclude_input_in_output": True}
-LORA_ARGS = ["--engine-arg", "enable_lora=true", "--engine-arg", "max_lora_rank=8", "--engine-arg", "max_loras=2"]
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("adapters")
-    return {"alpha": write_tiny_lora(root / "alpha", seed=1), "beta": write_tiny_lora(root / "beta", seed=2)}
-
-
-@pytest.fixture(scope="module")
-def lora_server(tiny_model: Path, adapters: dict[str, Path],
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    workdir = tmp_path_factory.mktemp("serve-lora")
-    multi = workdir / "multi_lora.json"
-    multi.write_text(json.dumps({name: str(path) for name, path in adapters.items()}))
-    srv = start_server(tiny_model, workdir, extra=[*LORA_ARGS, "--multi-lora", str(multi)])
-    yield srv
-    kids = srv.descendants()
-    srv.stop()
-    assert not wait_gone(kids), "processes left after SIGTERM"
+def lora_server(tuned_server: Server) -> Server:
+    """LoRA on, with adapters alpha and beta in its multi_lora.json: tests/e2e/conftest.py's
+    tuned server (its stream window and prompt limit change no answer checked here)."""
+    return tuned_server
 
 
 def _text(server: Server, **extra: object) -> str:

@@ -1,6 +1,7 @@
 """The backend's metrics against NVIDIA vllm_backend's contract, on one real server
 (explicit model control, so that models with other config.pbtxt parameters can be
-loaded beside the served one):
+loaded beside the served one; the server tests/e2e/test_model_control.py uses after
+this module, from tests/e2e/conftest.py):
 
 - vllm_backend's series are there, named as it names them, with the labels
   ``model`` and ``version`` and its histogram boundaries;
@@ -15,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
 
 from tests.e2e._client import generate, stream
+from tests.e2e._servers import ExplicitServers
 from tests.harness import repository as repo
 from tests.harness.server import Server, start_server, wait_gone
 
@@ -41,15 +42,11 @@ LINE = re.compile(r"^(vllm:[^{ ]+)\{([^}]*)\} (\S+)$")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # fresh_metrics: vllm_backend's read-after-response freshness is opt-in (off by
-    # default: the per-request pushes cost the H100 path 1.13-1.38x, docs/performance-history.md).
-    srv = start_server(tiny_model, tmp_path_factory.mktemp("metrics-serve"),
-                       extra=[*repo.explicit_args(), "--setting", "fresh_metrics=true"])
-    yield srv
-    kids = srv.descendants()
-    srv.stop()
-    assert not wait_gone(kids), "processes left after SIGTERM"
+def server(explicit_servers: ExplicitServers) -> Server:
+    """The shared explicit-model-control server, with the model setting fresh_metrics
+    (tests/e2e/conftest.py stops it, checking that nothing is left, unless
+    tests/e2e/test_model_control.py's last test has)."""
+    return explicit_servers.get().server
 
 
 def series(server: Server) -> list[tuple[str, dict[str, str], float]]:

@@ -10,6 +10,9 @@ unloads through the repository API with the admin key), on one real server:
 - stopping the server then leaves no process of ours and no segment.
 
 The tests of this module run in order and share the server; the last one stops it.
+It is the explicit-model-control server of tests/e2e/conftest.py, which
+tests/e2e/test_metrics_contract.py uses before this module (its models unloaded
+again): one start for both.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import pytest
 
 from llmhost.backend.health import UNHEALTHY_MESSAGE
 from tests.e2e._client import generate
+from tests.e2e._servers import ExplicitServers
 from tests.harness import repository as repo
-from tests.harness.server import Server, start_server, wait_gone
+from tests.harness.server import Server, wait_gone
 
 PROMPT = "def main():"
 GONE_BOUND_S = 120  # an unloaded model's processes end within this (vLLM needs seconds to stop)
@@ -42,10 +46,10 @@ class _State:
 
 
 @pytest.fixture(scope="module")
-def state(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_State]:
-    shm_before = repo.shm_segments()
-    srv = start_server(tiny_model, tmp_path_factory.mktemp("control-serve"), extra=repo.explicit_args())
-    st = _State(srv, repo.tritonserver(srv).pid, shm_before)
+def state(explicit_servers: ExplicitServers) -> Iterator[_State]:
+    shared = explicit_servers.get()
+    srv = shared.server
+    st = _State(srv, repo.tritonserver(srv).pid, shared.shm_before)
     yield st
     if srv.proc.poll() is None:  # the last test did not get to stop it
         kids = srv.descendants()

@@ -2,33 +2,30 @@
 worker thread, so a small request sent right after it is answered before the big
 prompt's rejection (for its token length) comes back. Ordering, not timing.
 
-Needs its own server: the default byte limit (derived from max_model_len 512) is
-far below a multi-megabyte prompt, so this one raises llmhost.max_prompt_bytes.
+Needs a server other than the session's: the default byte limit (derived from
+max_model_len 512) is far below a multi-megabyte prompt, so this one raises
+llmhost.max_prompt_bytes (tests/e2e/conftest.py's tuned server: its LoRA and stream
+window do not touch these plain requests).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import requests
 
-from tests.harness.server import Server, start_server, wait_gone
+from tests.e2e._servers import BIG_PROMPT_LIMIT
+from tests.harness.server import Server
 
-BIG_LIMIT = 24_000_000
+BIG_LIMIT = BIG_PROMPT_LIMIT
 
 
 @pytest.fixture(scope="module")
-def big_prompt_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tiny_model, tmp_path_factory.mktemp("serve-big-prompts"),
-                       extra=["--setting", f"max_prompt_bytes={BIG_LIMIT}", "--setting", "tokenizer_threads=2"])
-    yield srv
-    kids = srv.descendants()
-    srv.stop()
-    assert not wait_gone(kids)
+def big_prompt_server(tuned_server: Server) -> Server:
+    """max_prompt_bytes BIG_LIMIT, with two tokenizer threads."""
+    return tuned_server
 
 
 def _post(server: Server, body: dict, name: str, done: list[tuple[str, dict]], lock: threading.Lock) -> None:

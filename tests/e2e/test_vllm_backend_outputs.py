@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,8 @@ import pytest
 import requests
 
 from tests.e2e._client import generate, grpc_stream, more_than, sampling, shaped, stream
-from tests.harness.server import Server, start_server, wait_gone
+from tests.e2e._servers import MODEL_STREAM_INTERVAL_MS
+from tests.harness.server import Server
 
 PROMPT = "def fibonacci(n):"
 EVERY_OUTPUT = {"return_finish_reason": True, "return_cumulative_logprob": True, "return_logprobs": True,
@@ -32,14 +32,11 @@ EVERY_OUTPUT = {"return_finish_reason": True, "return_cumulative_logprob": True,
 
 
 @pytest.fixture(scope="module")
-def grouped_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A server whose model groups stream deltas for up to a second (llmhost.stream_interval_ms)."""
-    srv = start_server(tiny_model, tmp_path_factory.mktemp("serve-grouped"),
-                       extra=["--setting", "stream_interval_ms=1000"])
-    yield srv
-    kids = srv.descendants()
-    srv.stop()
-    assert not wait_gone(kids)
+def grouped_server(tuned_server: Server) -> Server:
+    """A server whose model groups stream deltas for up to a second (llmhost.stream_interval_ms):
+    tests/e2e/conftest.py's tuned server (its LoRA and prompt limit change no stream's shape)."""
+    assert MODEL_STREAM_INTERVAL_MS == 1000
+    return tuned_server
 
 
 def _counts(events: list[dict[str, Any]]) -> list[int]:

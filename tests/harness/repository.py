@@ -147,12 +147,13 @@ def mapped_segments() -> set[str]:
     return out
 
 
-def leftover_segments(before: set[str], prefix: str = SHM_PREFIX, settle_s: float = 5.0) -> set[str]:
+def leftover_segments(before: set[str], prefix: str = SHM_PREFIX, settle_s: float = 20.0) -> set[str]:
     """Segments new since BEFORE that are ours (the python backend's, by PREFIX) or
     that no live process maps (a leak), and still there after SETTLE_S. The segments of
     other servers running on this machine at the same time (another test worker's) are
     mapped by them, or gone again once their process ended and its resource tracker
-    cleaned up: neither is a leak."""
+    cleaned up: neither is a leak. That cleanup took over 5 s once on a busy machine (a
+    multiprocessing semaphore, sem.mp-*, of another process), so SETTLE_S is 20 s."""
     deadline = time.monotonic() + settle_s
     while True:
         new = shm_segments() - before
