@@ -202,11 +202,19 @@ def batch_inventory(cases: list[Mapping[str, Any]]) -> dict[str, Any]:
 
 def ansible_playbook_per_host(cases: list[Mapping[str, Any]], *args: str, timeout: float = 900) -> list[PlaybookRun]:
     """One ansible-playbook run for all cases, one host each; per case what a run of its own prints."""
+    return ansible_playbook_on_hosts(batch_inventory(cases), len(cases), *args, timeout=timeout)
+
+
+def ansible_playbook_on_hosts(
+    inventory: Mapping[str, Any], count: int, *args: str, shown_as: str = "localhost", timeout: float = 900
+) -> list[PlaybookRun]:
+    """One ansible-playbook run against `inventory`, whose hosts are host_name(0) to
+    host_name(count - 1); per host what a run on it alone prints, the host shown as `shown_as`."""
     with tempfile.TemporaryDirectory(prefix="llmhost-batch-") as tmp:
-        inventory = Path(tmp) / "inventory.json"
-        inventory.write_text(json.dumps(batch_inventory(cases)))
-        run = ansible_playbook("-i", str(inventory), *args, timeout=timeout)
-    views = [host_view(run.output, host_name(i)) for i in range(len(cases))]
+        path = Path(tmp) / "inventory.json"
+        path.write_text(json.dumps(inventory))
+        run = ansible_playbook("-i", str(path), *args, timeout=timeout)
+    views = [host_view(run.output, host_name(i), shown_as) for i in range(count)]
     return [PlaybookRun(host_rc(run.rc, view), view) for view in views]
 
 

@@ -16,7 +16,13 @@ from typing import Any
 
 import pytest
 
-from tests.ansible._helpers import REPO, PlaybookRun, ansible_playbook
+from tests.ansible._helpers import (
+    REPO,
+    PlaybookRun,
+    ansible_playbook,
+    ansible_playbook_on_hosts,
+    batch_inventory,
+)
 
 H100_SMI = REPO / "tests" / "fixtures" / "gpu" / "h100-580.159.04-real" / "nvidia-smi.txt"
 
@@ -31,8 +37,13 @@ PLAY = """\
 """
 
 
+# The same play for every host of a batch (one host per case, see preflight_runs).
+BATCH_PLAY = PLAY.replace("hosts: localhost", "hosts: all")
+
+
 def fake_smi(tmp_path: Path, text_file: Path | None) -> str:
-    path = tmp_path / "nvidia-smi"
+    """An nvidia-smi in tmp_path that prints text_file, or fails as without a driver (None)."""
+    path = tmp_path / (f"nvidia-smi-{text_file.parent.name}" if text_file else "nvidia-smi-failing")
     failing = "echo 'NVIDIA-SMI has failed because it could not communicate' >&2; exit 9"
     body = f"exec cat {text_file}" if text_file else failing
     path.write_text(f"#!/bin/sh\n{body}\n")
@@ -49,8 +60,30 @@ def run(tmp_path: Path, tags: str, **variables: Any) -> PlaybookRun:
                             "--tags", tags, "--check", "--diff", str(play))
 
 
-def test_gpu_host_plan_names_packages_for_the_driver_cuda_major(tmp_path: Path) -> None:
-    r = run(tmp_path, "preflight")
+def runs_per_host(folder: Path, tags: str, cases: dict[str, dict[str, Any]]) -> dict[str, PlaybookRun]:
+    """run(tags, **variables) for every case, in one ansible-playbook run (one host per case,
+    the variables its host vars); per case what its host alone printed."""
+    play = folder / "play.yml"
+    play.write_text(BATCH_PLAY)
+    hosts = [{"llmhost_profile": "gpu", **variables} for variables in cases.values()]
+    runs = ansible_playbook_on_hosts(batch_inventory(hosts), len(hosts), "--tags", tags, "--check", "--diff", str(play))
+    return dict(zip(cases, runs, strict=True))
+
+
+@pytest.fixture(scope="module")
+def preflight_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
+    """The preflight (--tags preflight --check --diff) of every test below that runs only it:
+    "plan" (the H100's nvidia-smi), "no driver" (a failing nvidia-smi) and each of CASES as
+    "case: <name>" (the H100's nvidia-smi and the case's settings)."""
+    folder = tmp_path_factory.mktemp("dcgm-preflight")
+    h100 = {"dcgm_exporter_nvidia_smi": fake_smi(folder, H100_SMI)}
+    cases = {"plan": h100, "no driver": {"dcgm_exporter_nvidia_smi": fake_smi(folder, None)},
+             **{f"case: {name}": {**h100, **override} for name, override, _ in CASES}}
+    return runs_per_host(folder, "preflight", cases)
+
+
+def test_gpu_host_plan_names_packages_for_the_driver_cuda_major(preflight_runs: dict[str, PlaybookRun]) -> None:
+    r = preflight_runs["plan"]
     assert r.rc == 0, r.output
     plan = " ".join(r.output.split())
     # The H100 recording reports CUDA 13.0: DCGM 4's CUDA 13 libraries.
@@ -67,8 +100,8 @@ def test_cpu_profile_skips_with_a_message(tmp_path: Path) -> None:
     assert r.recap()["localhost"]["changed"] == 0
 
 
-def test_no_working_driver_fails_naming_the_fix(tmp_path: Path) -> None:
-    r = run(tmp_path, "preflight", smi=fake_smi(tmp_path, None))
+def test_no_working_driver_fails_naming_the_fix(preflight_runs: dict[str, PlaybookRun]) -> None:
+    r = preflight_runs["no driver"]
     msg = r.failure()
     assert "dcgm_exporter needs a working NVIDIA driver" in msg
     assert "could not communicate" in msg and "dcgm_exporter_enabled to false" in msg
@@ -96,9 +129,9 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
 
 
 @pytest.mark.parametrize(("name", "override", "needle"), CASES, ids=[c[0] for c in CASES])
-def test_bad_settings_fail_in_preflight_by_name(tmp_path: Path, name: str, override: dict[str, Any],
-                                                needle: str) -> None:
-    r = run(tmp_path, "preflight", **override)
+def test_bad_settings_fail_in_preflight_by_name(preflight_runs: dict[str, PlaybookRun], name: str,
+                                                override: dict[str, Any], needle: str) -> None:
+    r = preflight_runs[f"case: {name}"]
     assert needle in r.failure()
     assert r.recap()["localhost"]["changed"] == 0
 

@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.ansible._helpers import REPO, PlaybookRun, ansible_playbook, load_yaml, shared_dir
-from tests.ansible.test_preflight import assert_fails_naming, preflight, preflights
+from tests.ansible._helpers import (
+    REPO,
+    PlaybookRun,
+    ansible_playbook,
+    ansible_playbook_on_hosts,
+    host_name,
+    load_yaml,
+    shared_dir,
+)
+from tests.ansible.test_preflight import assert_fails_naming, preflights
 
 KEY = "k" * 12 + "-secret-demo-key"  # 28 characters
 SHORT = "short-key-123"  # 13 characters
@@ -43,9 +53,36 @@ PASSING: dict[str, dict[str, Any]] = {
 }
 
 
+def local_triton_over_tls(cert: Path) -> dict[str, Any]:
+    """Triton on this host, on the network with gRPC over TLS (`cert` as its certificate and key)."""
+    return {**keys({"name": "a", "key": KEY}), "llmhost_bind_address": "0.0.0.0", "llmhost_allow_public_triton": True,
+            "triton_grpc_tls_cert_file": str(cert), "triton_grpc_tls_key_file": str(cert)}
+
+
 @pytest.fixture(scope="module")
-def passing_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
-    return preflights(shared_dir(tmp_path_factory), PASSING)
+def preflight_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], PlaybookRun]:
+    """Every preflight case of this module that needs no inventory of its own, in as few
+    ansible-playbook runs as preflights makes: PASSING as ("passing", name), CASES as
+    ("case", name), the local Triton over TLS as ("local TLS", "loopback" / "remote upstream")."""
+    shared = shared_dir(tmp_path_factory)
+    cert = shared / "gateway-grpc.crt"
+    # Written aside and renamed: another xdist worker may read the same path in the shared folder.
+    aside = cert.with_name(f"{cert.name}.{os.getpid()}")
+    aside.write_text("certificate\n")
+    aside.replace(cert)
+    tls = local_triton_over_tls(cert)
+    overrides: dict[tuple[str, str], dict[str, Any]] = {
+        **{("passing", name): extra for name, extra in PASSING.items()},
+        **{("case", name): extra for name, extra, _ in CASES},
+        ("local TLS", "loopback"): tls,
+        ("local TLS", "remote upstream"): {**tls, "gateway_upstreams": ["10.0.0.11:8001"]},
+    }
+    return preflights(shared, overrides)
+
+
+@pytest.fixture(scope="module")
+def passing_runs(preflight_runs: dict[tuple[str, str], PlaybookRun]) -> dict[str, PlaybookRun]:
+    return {name: run for (kind, name), run in preflight_runs.items() if kind == "passing"}
 
 
 def test_without_keys_the_gateway_is_off(passing_runs: dict[str, PlaybookRun]) -> None:
@@ -111,8 +148,8 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
 
 
 @pytest.fixture(scope="module")
-def case_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
-    return preflights(shared_dir(tmp_path_factory), {name: extra for name, extra, _ in CASES})
+def case_runs(preflight_runs: dict[tuple[str, str], PlaybookRun]) -> dict[str, PlaybookRun]:
+    return {name: run for (kind, name), run in preflight_runs.items() if kind == "case"}
 
 
 @pytest.mark.parametrize(("name", "needles"), [(c[0], c[2]) for c in CASES], ids=[c[0] for c in CASES])
@@ -125,14 +162,12 @@ def test_preflight_names_the_bad_setting(
         assert secret not in run.output, "the preflight printed a key"
 
 
-def test_a_local_triton_with_grpc_over_tls_is_not_reached_on_loopback(tmp_path: Path) -> None:
-    cert = tmp_path / "grpc.crt"
-    cert.write_text("certificate\n")
-    tls = {"llmhost_bind_address": "0.0.0.0", "llmhost_allow_public_triton": True,
-           "triton_grpc_tls_cert_file": str(cert), "triton_grpc_tls_key_file": str(cert)}
-    run = preflight({**keys({"name": "a", "key": KEY}), **tls})
+def test_a_local_triton_with_grpc_over_tls_is_not_reached_on_loopback(
+    preflight_runs: dict[tuple[str, str], PlaybookRun],
+) -> None:
+    run = preflight_runs[("local TLS", "loopback")]
     assert_fails_naming(run, "serves gRPC over TLS", "127.0.0.1:8001", "gateway_upstream_ca_file")
-    run = preflight({**keys({"name": "a", "key": KEY}), **tls, "gateway_upstreams": ["10.0.0.11:8001"]})
+    run = preflight_runs[("local TLS", "remote upstream")]
     assert run.rc == 0, run.output
 
 
@@ -142,22 +177,52 @@ def test_metrics_on_the_network_pass_with_a_token_or_when_allowed(passing_runs: 
         assert "asks for a token, or its absence is allowed" in run.output and METRICS_TOKEN not in run.output
 
 
-def _render(tmp_path: Path, extra: dict[str, Any]) -> PlaybookRun:
-    """Render the keys file and the unit with the role's own vars into tmp_path."""
-    play = tmp_path / "render.yml"
-    play.write_text(f"""---
+ALICE = keys({"name": "alice", "key": KEY})
+TINY = {**ALICE, "llmhost_models": [{"name": "tiny", "source": "tiny"}]}
+TLS = {**TINY, "gateway_tls_cert_file": "/etc/ssl/gw.crt", "gateway_tls_key_file": "/etc/ssl/gw.key"}
+PLAYS_CA = {**TINY, "llmhost_grpc_tls_ca": True}
+
+# The settings the tests below render the keys file and the units with, by name.
+RENDERS: dict[str, dict[str, Any]] = {
+    "keys file": {**keys({"name": "alice", "key": KEY, "max_tokens": 256, "rpm": 60},
+                         {"name": "bob", "sha256": SHA.upper(), "max_concurrent": 2, "models": ["tiny"]},
+                         {"name": "ops", "sha256": SHA2, "admin": True}),
+                  "llmhost_models": [{"name": "tiny", "source": "tiny"}]},
+    "hardened": {**ALICE, "llmhost_models": [{"name": "tiny", "source": "tiny"}, {"name": "qwen", "source": "tiny"}],
+                 "gateway_upstreams": ["10.0.0.1:8001", "[fd00::2]:8001"],
+                 "gateway_listen_address": "::", "gateway_drain_timeout_s": 40,
+                 "gateway_max_connections": 900, "gateway_header_timeout_s": 4,
+                 "gateway_tls_cert_file": "/etc/ssl/gw.crt", "gateway_tls_key_file": "/etc/ssl/gw.key"},
+    "plain HTTP on port 443": {**ALICE, "gateway_port": 443, "gateway_allow_plaintext": True,
+                               "gateway_cpu_affinity": "6-7,14",
+                               "llmhost_models": [{"name": "tiny", "source": "tiny"}]},
+    "renewed certificate": {**TINY, "gateway_group": "gw",
+                            "gateway_tls_cert_file": "/etc/letsencrypt/live/gw/fullchain.pem",
+                            "gateway_tls_key_file": "/etc/letsencrypt/live/gw/privkey.pem"},
+    "plain": TINY,
+    "TLS": TLS,
+    "TLS without metrics TLS": {**TLS, "gateway_metrics_tls": False},
+    "upstream CA": {**TINY, "gateway_upstreams": ["10.0.0.1:8001"], "gateway_upstream_ca_file": "/etc/llmhost/ca.crt"},
+    "metrics token": {**TINY, "gateway_metrics_token": METRICS_TOKEN},
+    "anonymous metrics": {**TINY, "gateway_metrics_allow_anonymous": True},
+    "no engine sockets": {**TINY, "gateway_engine_sockets": False},
+    "remote upstream": {**TINY, "gateway_upstreams": ["10.0.0.1:8001"]},
+    "play's CA, remote upstream": {**PLAYS_CA, "gateway_upstreams": ["10.0.0.1:8001"]},
+    "play's CA, local upstream": {**PLAYS_CA, "gateway_upstreams": ["127.0.0.1:8001"]},
+    "remote images": {**TINY, "gateway_allow_remote_images": True},
+}
+
+# Renders every host's files into the folder of its host var _render_dir. The role's
+# defaults and vars are the group vars of all (see render_inventory).
+RENDER_PLAY = f"""---
 - name: Render the gateway's files
-  hosts: localhost
+  hosts: all
   gather_facts: false
-  vars_files:
-    - {REPO}/roles/llmhost/defaults/main.yml
-    - {REPO}/roles/gateway/defaults/main.yml
-    - {REPO}/roles/gateway/vars/main.yml
   tasks:
     - name: Render
       ansible.builtin.template:
         src: "{REPO}/roles/gateway/templates/{{{{ item.src }}}}"
-        dest: "{tmp_path}/{{{{ item.dest }}}}"
+        dest: "{{{{ _render_dir }}}}/{{{{ item.dest }}}}"
         mode: "0600"
       loop:
         - {{src: keys.json.j2, dest: keys.json}}
@@ -165,18 +230,49 @@ def _render(tmp_path: Path, extra: dict[str, Any]) -> PlaybookRun:
         - {{src: llmhost-gateway-tls.path.j2, dest: llmhost-gateway-tls.path}}
         - {{src: llmhost-gateway-tls.service.j2, dest: llmhost-gateway-tls.service}}
       no_log: true
-""")
-    extra = {"ansible_python_interpreter": "/usr/bin/python3", **extra}
-    return ansible_playbook("-i", "localhost,", "-c", "local", "-e", json.dumps(extra), str(play))
+"""
 
 
-def test_keys_file_holds_hashes_and_limits_only(tmp_path: Path) -> None:
-    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY, "max_tokens": 256, "rpm": 60},
-                                    {"name": "bob", "sha256": SHA.upper(), "max_concurrent": 2, "models": ["tiny"]},
-                                    {"name": "ops", "sha256": SHA2, "admin": True}),
-                             "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
+def render_inventory(cases: list[tuple[Path, dict[str, Any]]]) -> dict[str, Any]:
+    """One local host per (folder, settings). The role's own defaults and vars (later files
+    win, as in a play's vars_files) are vars of the group all, and each case's settings are
+    its host's vars, which beat them as -e did."""
+    role_vars: dict[str, Any] = {}
+    for path in ("roles/llmhost/defaults/main.yml", "roles/gateway/defaults/main.yml", "roles/gateway/vars/main.yml"):
+        role_vars.update(load_yaml(REPO / path) or {})
+    hosts = {host_name(i): {"ansible_connection": "local", "ansible_python_interpreter": "/usr/bin/python3",
+                            "_render_dir": str(folder), **settings}
+             for i, (folder, settings) in enumerate(cases)}
+    return {"all": {"vars": role_vars, "hosts": hosts}}
+
+
+@dataclass
+class Rendered:
+    run: PlaybookRun  # the output of this case's host alone
+    folder: Path  # keys.json, unit, llmhost-gateway-tls.path and .service
+
+    def read(self, name: str) -> str:
+        return (self.folder / name).read_text()
+
+
+@pytest.fixture(scope="module")
+def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Rendered]:
+    """Every case of RENDERS rendered with the role's own vars, all in one ansible-playbook run."""
+    base = tmp_path_factory.mktemp("renders")
+    folders = {name: base / f"case-{i:03d}" for i, name in enumerate(RENDERS)}
+    for folder in folders.values():
+        folder.mkdir()
+    play = base / "render.yml"
+    play.write_text(RENDER_PLAY)
+    inventory = render_inventory([(folders[name], settings) for name, settings in RENDERS.items()])
+    runs = ansible_playbook_on_hosts(inventory, len(RENDERS), str(play))
+    return {name: Rendered(run, folders[name]) for name, run in zip(RENDERS, runs, strict=True)}
+
+
+def test_keys_file_holds_hashes_and_limits_only(renders: dict[str, Rendered]) -> None:
+    run = renders["keys file"].run
     assert run.rc == 0, run.output
-    text = (tmp_path / "keys.json").read_text()
+    text = renders["keys file"].read("keys.json")
     assert KEY not in text and KEY not in run.output
     assert json.loads(text) == {"keys": [
         {"name": "alice", "sha256": hashlib.sha256(KEY.encode()).hexdigest(), "max_tokens": 256, "rpm": 60},
@@ -184,15 +280,10 @@ def test_keys_file_holds_hashes_and_limits_only(tmp_path: Path) -> None:
         {"name": "ops", "sha256": SHA2, "admin": True}]}
 
 
-def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> None:
-    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}),
-                             "llmhost_models": [{"name": "tiny", "source": "tiny"}, {"name": "qwen", "source": "tiny"}],
-                             "gateway_upstreams": ["10.0.0.1:8001", "[fd00::2]:8001"],
-                             "gateway_listen_address": "::", "gateway_drain_timeout_s": 40,
-                             "gateway_max_connections": 900, "gateway_header_timeout_s": 4,
-                             "gateway_tls_cert_file": "/etc/ssl/gw.crt", "gateway_tls_key_file": "/etc/ssl/gw.key"})
+def test_unit_runs_the_gateway_hardened_with_every_upstream(renders: dict[str, Rendered]) -> None:
+    run = renders["hardened"].run
     assert run.rc == 0, run.output
-    unit = (tmp_path / "unit").read_text()
+    unit = renders["hardened"].read("unit")
     for want in ("User=llmhost-gateway", "--listen [::]:18080", "--upstream 10.0.0.1:8001",
                  "--upstream [fd00::2]:8001", "--model tiny", "--model qwen", "--keys-file %d/keys.json",
                  "--tls-cert /etc/ssl/llmhost-gateway/tls.crt --tls-key /etc/ssl/llmhost-gateway/tls.key",
@@ -209,31 +300,29 @@ def test_unit_runs_the_gateway_hardened_with_every_upstream(tmp_path: Path) -> N
     assert "CPUAffinity" not in unit  # any CPU unless asked
     assert "--allow-plaintext" not in unit
     assert "upstream-ca" not in unit  # gRPC over TLS only with a CA
-    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}), "gateway_port": 443,
-                             "gateway_allow_plaintext": True,
-                             "gateway_cpu_affinity": "6-7,14", "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
+    run = renders["plain HTTP on port 443"].run
     assert run.rc == 0, run.output
-    unit = (tmp_path / "unit").read_text()
+    unit = renders["plain HTTP on port 443"].read("unit")
     assert "  --allow-plaintext \\\n" in unit
     assert "\nCapabilityBoundingSet=CAP_NET_BIND_SERVICE\n" in unit
     assert "\nCPUAffinity=6-7,14\n" in unit
     assert "ExecReload" not in unit and "--tls-cert" not in unit  # no TLS: nothing to reload
 
 
-def test_a_renewed_certificate_reaches_the_running_gateway_by_a_reload(tmp_path: Path) -> None:
+def test_a_renewed_certificate_reaches_the_running_gateway_by_a_reload(
+    renders: dict[str, Rendered], tmp_path: Path
+) -> None:
     """The .path unit watches both files of the pair; the oneshot it starts copies them into
     the folder the gateway reads (key 0640 root:<the gateway's group>) and reloads the
     gateway (SIGHUP), never restarts a stopped one; systemd-analyze verifies both units."""
-    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}), "gateway_group": "gw",
-                             "llmhost_models": [{"name": "tiny", "source": "tiny"}],
-                             "gateway_tls_cert_file": "/etc/letsencrypt/live/gw/fullchain.pem",
-                             "gateway_tls_key_file": "/etc/letsencrypt/live/gw/privkey.pem"})
+    renewed = renders["renewed certificate"]
+    run = renewed.run
     assert run.rc == 0, run.output
-    path = (tmp_path / "llmhost-gateway-tls.path").read_text()
+    path = renewed.read("llmhost-gateway-tls.path")
     assert "\nPathChanged=/etc/letsencrypt/live/gw/fullchain.pem\n" in path
     assert "\nPathChanged=/etc/letsencrypt/live/gw/privkey.pem\n" in path
     assert "\nUnit=llmhost-gateway-tls.service\n" in path and "\nWantedBy=paths.target\n" in path
-    copy = (tmp_path / "llmhost-gateway-tls.service").read_text()
+    copy = renewed.read("llmhost-gateway-tls.service")
     execs = [line for line in copy.splitlines() if line.startswith("ExecStart=")]
     assert execs == [
         "ExecStart=/usr/bin/install -o root -g gw -m 0644 /etc/letsencrypt/live/gw/fullchain.pem "
@@ -245,7 +334,7 @@ def test_a_renewed_certificate_reaches_the_running_gateway_by_a_reload(tmp_path:
     for want in ("\nType=oneshot\n", "\nProtectSystem=strict\n", "\nReadWritePaths=/etc/ssl/llmhost-gateway\n",
                  "\nUMask=0077\n", "\nNoNewPrivileges=true\n"):
         assert want in copy, want
-    unit = (tmp_path / "unit").read_text()
+    unit = renewed.read("unit")
     assert "--tls-cert /etc/ssl/llmhost-gateway/tls.crt --tls-key /etc/ssl/llmhost-gateway/tls.key" in unit
     # The hardening stays: the folder is read under ProtectSystem=strict like the rest of /etc.
     for want in ("\nProtectSystem=strict\n", "\nProtectHome=true\n", "\nPrivateTmp=true\n",
@@ -257,7 +346,7 @@ def test_a_renewed_certificate_reaches_the_running_gateway_by_a_reload(tmp_path:
     units = tmp_path / "units"
     units.mkdir()
     for name in ("llmhost-gateway-tls.path", "llmhost-gateway-tls.service"):
-        (units / name).write_text((tmp_path / name).read_text())
+        (units / name).write_text(renewed.read(name))
     verify = subprocess.run([analyze, "verify", *(str(p) for p in sorted(units.iterdir()))],
                             capture_output=True, text=True, check=False, timeout=120)
     assert verify.returncode == 0 and not verify.stderr.strip(), verify.stdout + verify.stderr
@@ -287,88 +376,98 @@ def test_a_new_certificate_reloads_the_gateway_and_a_restart_wins() -> None:
     assert restart["ansible.builtin.systemd_service"]["state"] == "restarted"
 
 
-def test_metrics_follow_the_apis_tls_unless_told(tmp_path: Path) -> None:
+def test_metrics_follow_the_apis_tls_unless_told(renders: dict[str, Rendered]) -> None:
     """With a certificate the unit serves /metrics over HTTPS with it (--metrics-tls), unless
     gateway_metrics_tls is false; without one, neither flag."""
-    base = {**keys({"name": "alice", "key": KEY}), "llmhost_models": [{"name": "tiny", "source": "tiny"}],
-            "gateway_tls_cert_file": "/etc/ssl/gw.crt", "gateway_tls_key_file": "/etc/ssl/gw.key"}
-    run = _render(tmp_path, base)
+    run = renders["TLS"].run
     assert run.rc == 0, run.output
-    unit = (tmp_path / "unit").read_text()
+    unit = renders["TLS"].read("unit")
     assert "  --metrics-tls \\\n" in unit and "--no-metrics-tls" not in unit
-    run = _render(tmp_path, {**base, "gateway_metrics_tls": False})
+    run = renders["TLS without metrics TLS"].run
     assert run.rc == 0, run.output
-    unit = (tmp_path / "unit").read_text()
+    unit = renders["TLS without metrics TLS"].read("unit")
     assert "  --no-metrics-tls \\\n" in unit and "  --metrics-tls" not in unit
-    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}),
-                             "llmhost_models": [{"name": "tiny", "source": "tiny"}]})
+    run = renders["plain"].run
     assert run.rc == 0, run.output
-    assert "metrics-tls" not in (tmp_path / "unit").read_text()
+    assert "metrics-tls" not in renders["plain"].read("unit")
 
 
-def test_with_a_ca_the_unit_talks_grpc_over_tls(tmp_path: Path) -> None:
-    run = _render(tmp_path, {**keys({"name": "alice", "key": KEY}),
-                             "llmhost_models": [{"name": "tiny", "source": "tiny"}],
-                             "gateway_upstreams": ["10.0.0.1:8001"], "gateway_upstream_ca_file": "/etc/llmhost/ca.crt"})
+def test_with_a_ca_the_unit_talks_grpc_over_tls(renders: dict[str, Rendered]) -> None:
+    run = renders["upstream CA"].run
     assert run.rc == 0, run.output
-    unit = (tmp_path / "unit").read_text()
+    unit = renders["upstream CA"].read("unit")
     assert "\nLoadCredential=upstream-ca.crt:/etc/llmhost/ca.crt\n" in unit
     assert "  --upstream-ca %d/upstream-ca.crt \\\n" in unit
 
 
-def test_the_unit_hands_metrics_only_the_tokens_hash(tmp_path: Path) -> None:
-    base = {**keys({"name": "alice", "key": KEY}), "llmhost_models": [{"name": "tiny", "source": "tiny"}]}
-    run = _render(tmp_path, {**base, "gateway_metrics_token": METRICS_TOKEN})
+def test_the_unit_hands_metrics_only_the_tokens_hash(renders: dict[str, Rendered]) -> None:
+    run = renders["metrics token"].run
     assert run.rc == 0, run.output
-    unit = (tmp_path / "unit").read_text()
+    unit = renders["metrics token"].read("unit")
     assert "\nLoadCredential=metrics-token:/etc/llmhost/llmhost-gateway-metrics-token.sha256\n" in unit
     assert "  --metrics-token-file %d/metrics-token \\\n" in unit and METRICS_TOKEN not in unit
     assert "--allow-anonymous-metrics" not in unit
-    run = _render(tmp_path, {**base, "gateway_metrics_allow_anonymous": True})
+    run = renders["anonymous metrics"].run
     assert run.rc == 0, run.output
-    unit = (tmp_path / "unit").read_text()
+    unit = renders["anonymous metrics"].read("unit")
     assert "  --allow-anonymous-metrics \\\n" in unit and "metrics-token" not in unit
-    run = _render(tmp_path, base)
-    unit = (tmp_path / "unit").read_text()
+    unit = renders["plain"].read("unit")
     assert "metrics-token" not in unit and "--allow-anonymous-metrics" not in unit
 
 
-def test_on_an_inference_host_the_unit_streams_from_the_local_engine_sockets(tmp_path: Path) -> None:
-    base = {**keys({"name": "alice", "key": KEY}), "llmhost_models": [{"name": "tiny", "source": "tiny"}]}
-    run = _render(tmp_path, base)
+def test_on_an_inference_host_the_unit_streams_from_the_local_engine_sockets(renders: dict[str, Rendered]) -> None:
+    run = renders["plain"].run
     assert run.rc == 0, run.output
-    unit = (tmp_path / "unit").read_text()
+    unit = renders["plain"].read("unit")
     assert "--upstream 127.0.0.1:8001" in unit
     assert "--engine-sockets 127.0.0.1:8001=/run/tritonserver/engine" in unit
     assert "\nSupplementaryGroups=llmhost\n" in unit  # tritonserver's group: its sockets are 0660
-    for extra in ({"gateway_engine_sockets": False}, {"gateway_upstreams": ["10.0.0.1:8001"]}):
-        run = _render(tmp_path, {**base, **extra})
+    for name in ("no engine sockets", "remote upstream"):
+        run = renders[name].run
         assert run.rc == 0, run.output
-        unit = (tmp_path / "unit").read_text()
-        assert "--engine-sockets" not in unit and "SupplementaryGroups" not in unit, extra
+        unit = renders[name].read("unit")
+        assert "--engine-sockets" not in unit and "SupplementaryGroups" not in unit, RENDERS[name]
 
 
 # -- a gateway on a host of its own (group gateway) --------------------------------------
 
 
-def _gateway_only_preflight(tmp_path: Path, gpu1: dict[str, Any], more: dict[str, Any] | None = None) -> PlaybookRun:
-    """serving.yml's preflight for `gw`, a host of the group gateway alone (this machine),
-    in front of two inference hosts that are only in the inventory (--limit gw)."""
-    inventory = {"all": {"children": {
-        "gateway": {"hosts": {"gw": {"ansible_connection": "local",
-                                     "ansible_python_interpreter": "/usr/bin/python3"}}},
+def _gateway_only_inventory(gpu1: dict[str, Any], gateways: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The hosts `gateways` (this machine, with their host vars) in the group gateway alone, in
+    front of two inference hosts that are only in the inventory."""
+    local = {"ansible_connection": "local", "ansible_python_interpreter": "/usr/bin/python3"}
+    return {"all": {"children": {
+        "gateway": {"hosts": {name: {**local, **host_vars} for name, host_vars in gateways.items()}},
         "inference": {"hosts": {
             "gpu-1": {"ansible_host": "10.0.0.11", "llmhost_models": [{"name": "qwen", "source": "tiny"}], **gpu1},
             "gpu-2": {"ansible_host": "10.0.0.12", "llmhost_bind_address": "0.0.0.0",
                       "llmhost_allow_public_triton": True,
                       "llmhost_models": [{"name": "qwen", "source": "tiny"}, {"name": "tiny", "source": "tiny"},
                                          {"name": "old", "source": "tiny", "state": "absent"}]}}}}}}
+
+
+def _gateway_only_extra(more: dict[str, Any] | None) -> str:
+    """The -e of a gateway-only preflight. On the network without a certificate: asked for, so
+    that the checks below are what is shown."""
+    return json.dumps({**keys({"name": "a", "key": KEY}), "gateway_allow_plaintext": True, **(more or {})})
+
+
+def _gateway_only_preflight(tmp_path: Path, gpu1: dict[str, Any], more: dict[str, Any] | None = None) -> PlaybookRun:
+    """serving.yml's preflight for `gw`, a host of the group gateway alone (this machine),
+    in front of two inference hosts that are only in the inventory (--limit gw)."""
     path = tmp_path / "inventory.json"
-    path.write_text(json.dumps(inventory))
-    # On the network without a certificate: asked for, so that the checks below are what is shown.
-    extra = {**keys({"name": "a", "key": KEY}), "gateway_allow_plaintext": True, **(more or {})}
-    return ansible_playbook("-i", str(path), "--limit", "gw", "-e", json.dumps(extra),
+    path.write_text(json.dumps(_gateway_only_inventory(gpu1, {"gw": {}})))
+    return ansible_playbook("-i", str(path), "--limit", "gw", "-e", _gateway_only_extra(more),
                             "--tags", "preflight", "--check", "playbooks/serving.yml")
+
+
+def _gateway_only_preflights(gpu1: dict[str, Any], more: dict[str, Any],
+                             gateways: list[dict[str, Any]]) -> list[PlaybookRun]:
+    """_gateway_only_preflight(gpu1, more) for several gateway hosts in one run: the i-th with
+    the host vars gateways[i]; per host what a run on it alone prints, the host shown as gw."""
+    inventory = _gateway_only_inventory(gpu1, {host_name(i): host_vars for i, host_vars in enumerate(gateways)})
+    return ansible_playbook_on_hosts(inventory, len(gateways), "--limit", "gateway", "-e", _gateway_only_extra(more),
+                                     "--tags", "preflight", "--check", "playbooks/serving.yml", shown_as="gw")
 
 
 def test_a_gateway_only_host_fronts_every_inference_host(tmp_path: Path) -> None:
@@ -394,32 +493,29 @@ def test_a_gateway_only_host_refuses_an_inference_host_with_triton_on_loopback(t
 def test_with_the_plays_ca_a_gateway_only_host_is_pointed_at_it_and_refuses_another(tmp_path: Path) -> None:
     public = {"llmhost_bind_address": "10.0.0.11", "llmhost_allow_public_triton": True}
     made = {"llmhost_grpc_tls_ca": True, "llmhost_pki_dir": str(tmp_path / "pki")}
-    run = _gateway_only_preflight(tmp_path, public, made)
+    # Both gateways in one run: the play's CA alone, and beside it a CA file of the operator's.
+    run, mine = _gateway_only_preflights(public, made, [{}, {"gateway_upstream_ca_file": "/etc/ssl/mine.crt"}])
     assert run.rc == 0 and run.recap()["gw"]["failed"] == 0, run.output
     # Preflight makes nothing: the CA comes with the configure phase.
     assert not (tmp_path / "pki").exists()
-    run = _gateway_only_preflight(tmp_path, public, {**made, "gateway_upstream_ca_file": "/etc/ssl/mine.crt"})
+    run = mine
     failure = run.failure()
     assert "llmhost_grpc_tls_ca is true" in failure, failure[:3000]
     assert "leave gateway_upstream_ca_file unset" in failure, failure[:3000]
 
 
-def test_with_the_plays_ca_the_unit_verifies_remote_upstreams_with_it(tmp_path: Path) -> None:
-    base = {**keys({"name": "alice", "key": KEY}), "llmhost_models": [{"name": "tiny", "source": "tiny"}],
-            "llmhost_grpc_tls_ca": True}
-    run = _render(tmp_path, {**base, "gateway_upstreams": ["10.0.0.1:8001"]})
-    assert run.rc == 0, run.output
-    assert "\nLoadCredential=upstream-ca.crt:/etc/llmhost/llmhost-grpc-ca.crt\n" in (tmp_path / "unit").read_text()
-    run = _render(tmp_path, {**base, "gateway_upstreams": ["127.0.0.1:8001"]})
-    assert run.rc == 0, run.output
-    assert "upstream-ca" not in (tmp_path / "unit").read_text()
+def test_with_the_plays_ca_the_unit_verifies_remote_upstreams_with_it(renders: dict[str, Rendered]) -> None:
+    remote, local = renders["play's CA, remote upstream"], renders["play's CA, local upstream"]
+    assert remote.run.rc == 0, remote.run.output
+    assert "\nLoadCredential=upstream-ca.crt:/etc/llmhost/llmhost-grpc-ca.crt\n" in remote.read("unit")
+    assert local.run.rc == 0, local.run.output
+    assert "upstream-ca" not in local.read("unit")
 
 
-def test_remote_image_urls_are_fetched_only_when_allowed(tmp_path: Path) -> None:
-    base = {**keys({"name": "alice", "key": KEY}), "llmhost_models": [{"name": "tiny", "source": "tiny"}]}
-    run = _render(tmp_path, base)
+def test_remote_image_urls_are_fetched_only_when_allowed(renders: dict[str, Rendered]) -> None:
+    run = renders["plain"].run
     assert run.rc == 0, run.output
-    assert "--allow-remote-images" not in (tmp_path / "unit").read_text()
-    run = _render(tmp_path, {**base, "gateway_allow_remote_images": True})
+    assert "--allow-remote-images" not in renders["plain"].read("unit")
+    run = renders["remote images"].run
     assert run.rc == 0, run.output
-    assert "  --allow-remote-images \\\n" in (tmp_path / "unit").read_text()
+    assert "  --allow-remote-images \\\n" in renders["remote images"].read("unit")

@@ -26,7 +26,7 @@ import yaml
 from llmhost.backend.config import load_model_config
 from llmhost.backend.lora import with_adapters
 from llmhost.tiny.lora import write_tiny_lora
-from tests.ansible._helpers import PlaybookRun, ansible_playbook
+from tests.ansible._helpers import PlaybookRun, ansible_playbook, ansible_playbook_on_hosts, batch_inventory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the role writes root-owned directories")
 
@@ -66,22 +66,38 @@ def _venv(tmp_path: Path) -> Path:
     return venv
 
 
-def _run(tmp_path: Path, models: list[dict[str, Any]]) -> PlaybookRun:
-    variables = {
+def _variables(tmp_path: Path, models: list[dict[str, Any]]) -> dict[str, Any]:
+    """The variables of a deployment of `models` into tmp_path (prefix/, venv/)."""
+    return {
         "llmhost_profile": "cpu",
         "llmhost_prefix": str(tmp_path / "prefix"),
         "llmhost_venv_dir": str(_venv(tmp_path)),
         "llmhost_models": models,
     }
-    (tmp_path / "vars.json").write_text(json.dumps(variables))
+
+
+def _book(tmp_path: Path) -> Path:
+    """The play: the model_repository role on the group inference, a handler that says it changed."""
     play = [{"name": "Deploy the model repository", "hosts": "inference", "gather_facts": False,
              "roles": ["model_repository"],
              "handlers": [{"name": "Note the change", "ansible.builtin.debug": {"msg": "model repository changed"},
                            "listen": "model_repository changed"}]}]
     book = tmp_path / "deploy.yml"
     book.write_text(yaml.safe_dump(play, sort_keys=False))
-    return ansible_playbook("-i", "inventory/localhost.yml", "-e", f"@{tmp_path / 'vars.json'}", str(book),
+    return book
+
+
+def _run(tmp_path: Path, models: list[dict[str, Any]]) -> PlaybookRun:
+    (tmp_path / "vars.json").write_text(json.dumps(_variables(tmp_path, models)))
+    return ansible_playbook("-i", "inventory/localhost.yml", "-e", f"@{tmp_path / 'vars.json'}", str(_book(tmp_path)),
                             timeout=600)
+
+
+def _runs_per_host(folder: Path, deployments: list[tuple[Path, list[dict[str, Any]]]]) -> list[PlaybookRun]:
+    """_run(tmp_path, models) for every (tmp_path, models), in one ansible-playbook run: one host
+    per deployment, its variables its host vars; per deployment what its host alone printed."""
+    hosts = [_variables(tmp_path, models) for tmp_path, models in deployments]
+    return ansible_playbook_on_hosts(batch_inventory(hosts), len(hosts), str(_book(folder)), timeout=600)
 
 
 def test_adapters_are_staged_and_listed_idempotently(tmp_path: Path, files: tuple[Path, str]) -> None:
@@ -132,7 +148,7 @@ def test_adapters_are_staged_and_listed_idempotently(tmp_path: Path, files: tupl
     assert "model repository changed" in removed.output
 
 
-@pytest.mark.parametrize(("adapters", "needles"), [
+BAD_ADAPTERS: list[tuple[Any, tuple[str, ...]]] = [
     # The role's argument_specs refuse a wrong type or an unknown source; the preflight the rest.
     ([{"name": "a", "source": "ftp"}],
      ("value of source must be one of", "got: ftp", "llmhost_models -> lora_adapters")),
@@ -140,21 +156,39 @@ def test_adapters_are_staged_and_listed_idempotently(tmp_path: Path, files: tupl
     ([{"name": "a", "source": "tiny"}, {"name": "a", "source": "tiny"}], ("LoRA adapter a of model base", "unique")),
     ([{"name": "../up", "source": "tiny"}], ("LoRA adapter ../up of model base", "must be unique and match")),
     ("alpha", ("'lora_adapters' found in 'llmhost_models' is of type str",)),
-])
-def test_bad_adapters_fail_naming_model_and_adapter(tmp_path: Path, adapters: Any, needles: tuple[str, ...]) -> None:
-    base = _fake_model(tmp_path / "base-weights")
-    run = _run(tmp_path, [{"name": "base", "source": "local", "path": str(base), "lora_adapters": adapters}])
+]
+
+
+@pytest.fixture(scope="module")
+def failed_runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, PlaybookRun]]:
+    """The deployments that must fail, all in one ansible-playbook run, as (their folder, run):
+    the i-th of BAD_ADAPTERS, then last an adapter directory without adapter_config.json
+    (the folder's not-an-adapter)."""
+    base = tmp_path_factory.mktemp("failing")
+    folders = [base / f"case-{i}" for i in range(len(BAD_ADAPTERS) + 1)]
+    adapters = [bad for bad, _ in BAD_ADAPTERS]
+    empty = folders[-1] / "not-an-adapter"
+    empty.mkdir(parents=True)
+    adapters.append([{"name": "x", "source": "local", "path": str(empty)}])
+    deployments = [(folder, [{"name": "base", "source": "local", "path": str(_fake_model(folder / "base-weights")),
+                              "lora_adapters": bad}])
+                   for folder, bad in zip(folders, adapters, strict=True)]
+    runs = _runs_per_host(base, deployments)
+    return list(zip(folders, runs, strict=True))
+
+
+@pytest.mark.parametrize(("adapters", "needles"), BAD_ADAPTERS)
+def test_bad_adapters_fail_naming_model_and_adapter(failed_runs: list[tuple[Path, PlaybookRun]], adapters: Any,
+                                                    needles: tuple[str, ...]) -> None:
+    tmp_path, run = failed_runs[BAD_ADAPTERS.index((adapters, needles))]
     failure = run.failure()
     for needle in needles:
         assert needle in failure, failure[:3000]
     assert not (tmp_path / "prefix" / "models").exists(), "nothing is written when preflight fails"
 
 
-def test_adapter_directory_without_adapter_config_fails(tmp_path: Path) -> None:
-    base = _fake_model(tmp_path / "base-weights")
+def test_adapter_directory_without_adapter_config_fails(failed_runs: list[tuple[Path, PlaybookRun]]) -> None:
+    tmp_path, run = failed_runs[-1]
     empty = tmp_path / "not-an-adapter"
-    empty.mkdir()
-    run = _run(tmp_path, [{"name": "base", "source": "local", "path": str(base),
-                           "lora_adapters": [{"name": "x", "source": "local", "path": str(empty)}]}])
     failure = run.failure()
     assert "No adapter_config.json" in failure and "base/x" in failure and str(empty) in failure, failure[:3000]

