@@ -79,10 +79,12 @@ def _start(model: Path, workdir: Path, name: str, engine_args: list[str], port: 
 
 
 def _session(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
-    """The processes of PROC's session (the API server, its engine and workers)."""
+    """The processes of PROC's session (the API server, its engine and workers). A
+    process that ended while they were listed is not one (os.getsid raises
+    ProcessLookupError for it)."""
     found = []
     for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
             if os.getsid(p.pid) == proc.pid:
                 found.append(p)
     return found
