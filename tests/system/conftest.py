@@ -31,7 +31,7 @@ def _sigterm_to_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def booted_host() -> Iterator[BootedHost]:
     """A fresh Debian 12 host booted with systemd, reachable over SSH on 127.0.0.1.
 
@@ -39,7 +39,8 @@ def booted_host() -> Iterator[BootedHost]:
     ``ssh_key``, ``state_dir``, ``pip_vars_file`` (``-e @file`` with the
     python_env role's pip variables), ``pip_config``; methods ``exec(cmd)``,
     ``ssh(cmd)``, ``ansible_args()``, ``write_inventory(path, groups, group_vars)``.
-    Torn down at the end of the session, also on failures and interrupts.
+    Torn down after the last system test (the package's scope), also on failures and
+    interrupts: the worker goes on with other tests, which get its CPU and memory.
     """
     previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     host: BootedHost | None = None
@@ -62,7 +63,7 @@ def booted_host() -> Iterator[BootedHost]:
             signal.signal(signal.SIGTERM, previous)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def converged(booted_host: BootedHost, tmp_path_factory: pytest.TempPathFactory) -> Converged:
     """site.yml converged once into ``booted_host`` (profile cpu, the tiny model, monitoring)."""
     return converge(booted_host, tmp_path_factory.mktemp("converge"))
