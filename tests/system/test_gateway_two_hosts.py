@@ -60,6 +60,14 @@ from tests.system._unit import PLAY_WAIT_S
 MODEL = "tiny"
 READY_TIMEOUT_S = PLAY_WAIT_S
 
+# Two more booted hosts, their converges and the rolls restart tritonserver many times
+# on hosts that share the test machine's two cores: 20 to 45 minutes of the system
+# tests' worker, which CI's 90 minutes for all of `make test` cannot hold. `make
+# test-rolling` runs this module; docs/operations.md records its runs.
+pytestmark = pytest.mark.skipif(
+    os.environ.get("LLMHOST_ROLLING_TEST") != "1",
+    reason="two more booted hosts and the rolls: 20-45 minutes on 2 cores, past CI's budget; `make test-rolling`")
+
 
 @dataclass
 class Pair:
@@ -532,14 +540,6 @@ def _recap_of(out: str, host: str) -> dict[str, int]:
 
 HOLD_TASK = "Hold this host out of every gateway's pool]"
 
-# The rolls of a change (a broken one, then a good one over A and B) restart
-# tritonserver three times on hosts that share this machine's two cores: 8 to 25
-# minutes of the system tests' worker, which `make test` on CI's machine cannot hold
-# within its budget beside the rest. `make test-rolling` runs them (with this module);
-# their runs are recorded in docs/operations.md.
-FULL_ROLL = os.environ.get("LLMHOST_ROLLING_TEST") == "1"
-
-
 def test_rolling_without_a_change_holds_nobody_and_fails_no_request(pair: Pair, gateway_only: GatewayOnly,
                                                                     tmp_path: Path, record_property: Any):
     """rolling.yml over B with the settings B was converged with, while two clients send
@@ -571,8 +571,6 @@ def test_rolling_without_a_change_holds_nobody_and_fails_no_request(pair: Pair, 
     assert not failed, [(o.streamed, o.detail) for o in failed[:10]]
 
 
-@pytest.mark.skipif(not FULL_ROLL, reason="the rolls of a change take 8-25 minutes on 2 cores, past CI's budget "
-                                          "beside the rest: `make test-rolling` (docs/operations.md has its runs)")
 def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_only: GatewayOnly, tmp_path: Path,
                                                          record_property: Any):
     """The counts of each phase are figures of the run (tests/conftest.py prints them)."""
