@@ -12,7 +12,8 @@ help:
 	@echo "make demo       provision a local systemd container with site.yml and serve the tiny model"
 	@echo "make demo-check the OpenAI API against the demo as applications use it (logprobs, tools, embeddings)"
 	@echo "make demo-down  stop and remove the demo container"
-	@echo "make test       every test: lint, unit, e2e (real tritonserver + vLLM), system (booted host)"
+	@echo "make test       lint, unit, e2e (real tritonserver + vLLM), system (booted host): about an hour"
+	@echo "make test-rolling  three booted hosts behind gateways and rolling.yml under load (not in make test)"
 	@echo "make setup      create .venv (vLLM CPU, Triton, test tools)"
 	@echo "make bench-compare  Triton path, gateway and vLLM's own server (numbers, not a test)"
 	@echo "make soak       10 minutes at concurrency 32 (numbers, not a test)"
@@ -41,9 +42,9 @@ test-unit: setup
 test-e2e: setup
 	$(VENV)/bin/pytest -q tests/e2e
 
-# Every test: lint, unit, Ansible decision tests, monitoring (promtool, dashboards),
-# e2e (real tritonserver + vLLM) and system (a booted Debian 12 host provisioned
-# with site.yml). Debian packages it needs: prometheus (monitoring-deps);
+# Every test but the two-host module (`make test-rolling`, past CI's budget): lint, unit,
+# Ansible decision tests, monitoring (promtool, dashboards), e2e (real tritonserver +
+# vLLM) and system (a booted Debian 12 host provisioned with site.yml). Debian packages it needs: prometheus (monitoring-deps);
 # systemd-container and debootstrap (installed by tests/harness/rootfs.py).
 # Two workers (pytest-xdist): one takes the system tests, the other the e2e tests (each
 # one unit of work), then both the other modules (tests/conftest.py); TEST_WORKERS=0
