@@ -540,6 +540,7 @@ def _recap_of(out: str, host: str) -> dict[str, int]:
 
 HOLD_TASK = "Hold this host out of every gateway's pool]"
 
+
 def test_rolling_without_a_change_holds_nobody_and_fails_no_request(pair: Pair, gateway_only: GatewayOnly,
                                                                     tmp_path: Path, record_property: Any):
     """rolling.yml over B with the settings B was converged with, while two clients send
