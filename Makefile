@@ -44,8 +44,9 @@ test-e2e: setup
 
 # Every test but the two-host module (`make test-rolling`, past CI's budget): lint, unit,
 # Ansible decision tests, monitoring (promtool, dashboards), e2e (real tritonserver +
-# vLLM) and system (a booted Debian 12 host provisioned with site.yml). Debian packages it needs: prometheus (monitoring-deps);
-# systemd-container and debootstrap (installed by tests/harness/rootfs.py).
+# vLLM) and system (a booted Debian 12 host provisioned with site.yml). Debian packages
+# it needs: prometheus (monitoring-deps); systemd-container and debootstrap (installed
+# by tests/harness/rootfs.py).
 # Two workers (pytest-xdist): one takes the system tests, the other the e2e tests (each
 # one unit of work), then both the other modules (tests/conftest.py); TEST_WORKERS=0
 # runs in one process.

@@ -541,15 +541,35 @@ def _recap_of(out: str, host: str) -> dict[str, int]:
 HOLD_TASK = "Hold this host out of every gateway's pool]"
 
 
+def _admin_key_with_both_in_service(p: Pair, c: GatewayOnly) -> str:
+    """C's admin key, once C's gateway has A and B in service."""
+    admin_key = c.host.exec(["cat", ADMIN_KEY_FILE], check=True).stdout.strip()
+    _wait_for("A and B in service on C", lambda: {t: u["state"] for t, u in _upstreams_on_c(c, admin_key).items()}
+              == {p.a_upstream: "in_service", p.b_upstream: "in_service"})
+    return admin_key
+
+
+def _state(conv: Converged) -> tuple[str, str, str]:
+    """What a restart or a rewrite of a host changes: tritonserver's invocation, MODEL's
+    model.json, the llmhost version."""
+    return _invocation(conv), _model_json(conv), _version(conv)
+
+
+def _assert_rolled_no_change(r: subprocess.CompletedProcess[str], host: BootedHost, c: GatewayOnly,
+                             admin_key: str) -> None:
+    assert r.returncode == 0, r.stdout[-6000:]
+    assert _recap_of(r.stdout, host.name)["changed"] == 0, changed_tasks(r.stdout)
+    assert HOLD_TASK not in r.stdout, f"a roll without a change held {host.name}"
+    assert not any(u["held"] for u in _upstreams_on_c(c, admin_key).values())
+
+
 def test_rolling_without_a_change_holds_nobody_and_fails_no_request(pair: Pair, gateway_only: GatewayOnly,
                                                                     tmp_path: Path, record_property: Any):
     """rolling.yml over B with the settings B was converged with, while two clients send
     requests through C: nothing changes, nobody is held, every request is answered."""
     b, c = pair.b, gateway_only
-    admin_key = c.host.exec(["cat", ADMIN_KEY_FILE], check=True).stdout.strip()
-    _wait_for("A and B in service on C", lambda: {t: u["state"] for t, u in _upstreams_on_c(c, admin_key).items()}
-              == {pair.a_upstream: "in_service", pair.b_upstream: "in_service"})
-    before_b = (_invocation(b), _model_json(b), _version(b))
+    admin_key = _admin_key_with_both_in_service(pair, c)
+    before_b = _state(b)
     traffic = _Traffic(f"http://127.0.0.1:{c.port}", c.key)
     traffic.start()
     began = time.monotonic()
@@ -562,11 +582,8 @@ def test_rolling_without_a_change_holds_nobody_and_fails_no_request(pair: Pair, 
         traffic.finish()
     during = traffic.between(began, ended)
     record_property(FIGURE, f"through C during the roll without a change: {_counts(during)}")
-    assert unchanged.returncode == 0, unchanged.stdout[-6000:]
-    assert _recap_of(unchanged.stdout, b.host.name)["changed"] == 0, changed_tasks(unchanged.stdout)
-    assert HOLD_TASK not in unchanged.stdout, "a roll without a change held B"
-    assert (_invocation(b), _model_json(b), _version(b)) == before_b, "a roll without a change restarted B"
-    assert not any(u["held"] for u in _upstreams_on_c(c, admin_key).values())
+    _assert_rolled_no_change(unchanged, b.host, c, admin_key)
+    assert _state(b) == before_b, "a roll without a change restarted B"
     assert len(during) >= 4, f"too few requests during the roll to show anything: {len(during)}"
     failed = [o for o in during if not o.ok]
     assert not failed, [(o.streamed, o.detail) for o in failed[:10]]
@@ -576,12 +593,10 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
                                                          record_property: Any):
     """The counts of each phase are figures of the run (tests/conftest.py prints them)."""
     a, b, c = pair.a, pair.b, gateway_only
-    admin_key = c.host.exec(["cat", ADMIN_KEY_FILE], check=True).stdout.strip()
-    _wait_for("A and B in service on C", lambda: {t: u["state"] for t, u in _upstreams_on_c(c, admin_key).items()}
-              == {pair.a_upstream: "in_service", pair.b_upstream: "in_service"})
+    admin_key = _admin_key_with_both_in_service(pair, c)
     newer = _newer_build(tmp_path)
     good_models = _models({"max_num_seqs": 16})
-    before_b = (_invocation(b), _model_json(b), _version(b))
+    before_b = _state(b)
     traffic = _Traffic(f"http://127.0.0.1:{c.port}", c.key)
     marks: list[tuple[str, float]] = []  # (what ran up to then, when it ended)
 
@@ -600,7 +615,7 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
         assert HOLD_TASK in out, out[-6000:]
         # B got no task at all (the roll stopped before its turn): nothing changed or failed there.
         assert not re.search(rf"^(changed|fatal|failed): \[{re.escape(b.host.name)}\b", out, re.M), out[-6000:]
-        assert (_invocation(b), _model_json(b), _version(b)) == before_b, (
+        assert _state(b) == before_b, (
             "a roll that stopped at A changed B (restarted it or rewrote its files)")
         upstreams = _upstreams_on_c(c, admin_key)
         assert upstreams[pair.a_upstream]["held"], upstreams
@@ -624,10 +639,7 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
         again = _roll(pair, c, tmp_path, record_property, "again", "--limit", b.host.name, models=good_models,
                       source_dir=newer)
         marks.append(("while the roll without a change ran on B", time.monotonic()))
-        assert again.returncode == 0, again.stdout[-6000:]
-        assert _recap_of(again.stdout, b.host.name)["changed"] == 0, changed_tasks(again.stdout)
-        assert HOLD_TASK not in again.stdout, "a roll without a change held B"
-        assert not any(u["held"] for u in _upstreams_on_c(c, admin_key).values())
+        _assert_rolled_no_change(again, b.host, c, admin_key)
     finally:
         traffic.finish()
         start = began if marks else time.monotonic()
