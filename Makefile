@@ -5,15 +5,16 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTHON ?= python3
 
-.PHONY: setup test test-unit test-e2e lint lint-python clean
+.PHONY: setup test test-fast test-unit test-e2e lint lint-python clean
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo       provision a local systemd container with site.yml and serve the tiny model"
 	@echo "make demo-check the OpenAI API against the demo as applications use it (logprobs, tools, embeddings)"
 	@echo "make demo-down  stop and remove the demo container"
-	@echo "make test       lint, unit, e2e (real tritonserver + vLLM), system (booted host): about an hour"
-	@echo "make test-rolling  three booted hosts behind gateways and rolling.yml under load (not in make test)"
+	@echo "make test       lint, unit, Ansible, monitoring, e2e (real tritonserver + vLLM), system (booted hosts, rolls)"
+	@echo "make test-fast  ruff, unit and recorded-run tests: the inner loop, a few minutes"
+	@echo "make test-rolling  the two-host module alone: three booted hosts, rolling.yml under load"
 	@echo "make setup      create .venv (vLLM CPU, Triton, test tools)"
 	@echo "make bench-compare  Triton path, gateway and vLLM's own server (numbers, not a test)"
 	@echo "make soak       10 minutes at concurrency 32 (numbers, not a test)"
@@ -42,21 +43,35 @@ test-unit: setup
 test-e2e: setup
 	$(VENV)/bin/pytest -q tests/e2e
 
-# Every test but the two-host module (`make test-rolling`, past CI's budget): lint, unit,
-# Ansible decision tests, monitoring (promtool, dashboards), e2e (real tritonserver +
-# vLLM) and system (a booted Debian 12 host provisioned with site.yml). Debian packages
-# it needs: prometheus (monitoring-deps); systemd-container and debootstrap (installed
-# by tests/harness/rootfs.py).
-# Two workers (pytest-xdist): one takes the system tests, the other the e2e tests (each
-# one unit of work), then both the other modules (tests/conftest.py); TEST_WORKERS=0
-# runs in one process.
+# Every test: lint, unit, Ansible decision tests, monitoring (promtool, dashboards), e2e
+# (real tritonserver + vLLM) and system (booted Debian 12 hosts provisioned with
+# site.yml, the two-host module and its rolls included). Debian packages it needs:
+# prometheus (monitoring-deps); systemd-container and debootstrap (installed by
+# tests/harness/rootfs.py).
+# The booted hosts' root filesystem (debootstrap; the harness is stdlib-only, so the
+# system Python runs it) and the monitoring packages are fetched while the venv
+# installs: those wait on the network and the disk, the venv on one core.
+# Three workers (pytest-xdist): the system tests, the two-host module and the e2e tests
+# are a unit of work each, one to a worker; the other modules fill in after them
+# (tests/conftest.py). TEST_WORKERS=0 runs everything in one process.
 # A short base directory: Unix socket paths (vLLM's, the engine sockets) in the tests'
 # folders must stay under 108 bytes, and xdist adds popen-gwN/ to every one.
-TEST_WORKERS ?= 2
-test: setup monitoring-deps lint
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible" $(VENV)/bin/pytest \
-	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --basetemp "$$(mktemp -d /tmp/lt.XXXX)" \
-	  --durations=40 --tb=short tests
+TEST_WORKERS ?= 3
+PYTEST_RUN = PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_HOME="$(CURDIR)/.cache/ansible" $(VENV)/bin/pytest \
+	  --basetemp "$$(mktemp -d /tmp/lt.XXXX)" --tb=short
+test:
+	@mkdir -p .cache; \
+	{ $(PYTHON) -m tests.harness rootfs && $(MAKE) --no-print-directory monitoring-deps; } > .cache/test-prerequisites.log 2>&1 & \
+	prerequisites=$$!; \
+	$(MAKE) --no-print-directory setup lint-python lint-ansible || { wait $$prerequisites; exit 1; }; \
+	wait $$prerequisites || { cat .cache/test-prerequisites.log; \
+	  echo "make test: the test hosts' root filesystem or the monitoring packages could not be installed"; exit 1; }; \
+	$(MAKE) --no-print-directory lint-monitoring
+	$(PYTEST_RUN) -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=40 tests
+
+# The inner loop, a few minutes: ruff, the unit tests and the recorded runs, in two workers.
+test-fast: setup lint-python
+	$(PYTEST_RUN) -q -n 2 tests/unit tests/records
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

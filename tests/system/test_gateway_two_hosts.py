@@ -1,7 +1,9 @@
 """Two booted hosts behind one gateway (routing and failover across inference hosts), and a gateway on a
 host of its own.
 
-Host A is the session's converged host. Host B is booted here and converged with
+Host A is the converged host of this module's pytest worker: the module is a unit of work
+of its own (tests/conftest.py), so under `make test` its worker boots and converges A for
+it alone, beside the worker of the other system tests. Host B is booted here and converged with
 site.yml as an inference host whose gateway lists two upstreams: its own Triton
 and A's (`gateway_upstreams`). Both hosts share this machine's network, so A's
 Triton on 127.0.0.1 is reachable from B; on a real site A's Triton would listen on
@@ -59,15 +61,6 @@ from tests.system._unit import PLAY_WAIT_S
 
 MODEL = "tiny"
 READY_TIMEOUT_S = PLAY_WAIT_S
-
-# Two more booted hosts, their converges and the rolls restart tritonserver many times
-# on hosts that share the test machine's two cores: 20 to 45 minutes of the system
-# tests' worker, which CI's 90 minutes for all of `make test` cannot hold. `make
-# test-rolling` runs this module; docs/operations.md records its runs.
-pytestmark = pytest.mark.skipif(
-    os.environ.get("LLMHOST_ROLLING_TEST") != "1",
-    reason="two more booted hosts and the rolls: 20-45 minutes on 2 cores, past CI's budget; `make test-rolling`")
-
 
 @dataclass
 class Pair:

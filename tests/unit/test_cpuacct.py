@@ -1,0 +1,50 @@
+"""The test run's CPU accounting (tests/harness/cpuacct.py): a worker's group, and the
+seconds added up by folder and module from the reports."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+from tests.harness.cpuacct import CPU_SECONDS, GROUP_PREFIX, Group, folder_of, summary, totals
+
+
+def _report(nodeid: str, cpu: float | None, duration: float) -> SimpleNamespace:
+    props = [] if cpu is None else [(CPU_SECONDS, cpu)]
+    return SimpleNamespace(nodeid=nodeid, user_properties=[("figure", "x"), *props], duration=duration)
+
+
+def test_a_worker_joins_a_group_of_its_own_and_reads_its_counter(tmp_path: Path):
+    group = Group.join("gw0-1", root=tmp_path)
+    assert group is not None and group.path == tmp_path / f"{GROUP_PREFIX}gw0-1"
+    assert (group.path / "cgroup.procs").read_text() == f"{os.getpid()}\n"
+    (group.path / "cpuacct.usage").write_text("2500000000\n")
+    assert group.seconds() == 2.5
+
+
+def test_no_group_where_the_hierarchy_cannot_be_written(tmp_path: Path):
+    assert Group.join("gw0-1", root=tmp_path / "not-there" / "deeper") is None
+
+
+def test_seconds_add_up_by_folder_and_by_module():
+    reports = [
+        _report("tests/e2e/test_a.py::t1", 10.0, 12.0),
+        _report("tests/e2e/test_a.py::t2", 5.5, 1.0),
+        _report("tests/e2e/test_b.py::t", 1.0, 2.0),
+        _report("tests/unit/test_c.py::t[x]", 0.5, 0.25),
+        _report("tests/unit/test_c.py::t[y]", None, 0.0),  # neither: left out
+    ]
+    folders, modules = totals(reports)
+    assert folders == {"tests/e2e": [16.5, 15.0], "tests/unit": [0.5, 0.25]}
+    assert modules == {"tests/e2e/test_a.py": [15.5, 13.0], "tests/e2e/test_b.py": [1.0, 2.0],
+                       "tests/unit/test_c.py": [0.5, 0.25]}
+    assert folder_of("tests/e2e/test_a.py::t1") == "tests/e2e"
+    lines = summary(reports, top=2)
+    assert lines[1].split() == ["16", "15", "tests/e2e"]  # the most CPU first
+    assert lines[3].split() == ["17", "15", "all"]
+    assert [line.split()[-1] for line in lines[-2:]] == ["tests/e2e/test_a.py", "tests/e2e/test_b.py"]
+
+
+def test_nothing_is_printed_without_measurements():
+    assert summary([_report("tests/unit/test_c.py::t", None, 3.0)]) == []
