@@ -2,11 +2,10 @@
 
 `make test` runs the tests in three pytest-xdist workers (``--dist loadscope``) with the
 scheduler below. The system tests share one booted host per worker, so they are one
-unit of work; the two-host module, which rolls changes over its hosts for good, is a
-unit of its own (its worker boots and converges a host of its own); the e2e tests are
-one unit too, so that one worker at a time runs tritonserver and vLLM for them. The
-three go out first, one to each worker; every other module is a unit of its own and
-fills in after them.
+unit of work; the e2e tests are one too, so that only one worker at a time runs
+tritonserver and vLLM for them. Both are collected first, so one worker spends the run
+on each; every other module is a unit of its own, and the third worker takes them from
+the start, the others after their unit.
 """
 
 from __future__ import annotations
@@ -18,34 +17,37 @@ from typing import Any
 
 import pytest
 
-from tests.harness import cpuacct
+from tests.harness import cpugroups
 
-# The units of work of several tests each (a folder, or a module whose tests share a
-# fixture no other worker may touch), in the order they are handed out; node ids are
-# relative to the repository's root. A module named here is taken out of its folder's
-# unit. In one process (TEST_WORKERS=0) the units run in this order too: the two-host
-# module, which leaves its host changed for good, after the other system tests that
-# then share that host.
-UNITS = ("tests/system", "tests/system/test_gateway_two_hosts.py", "tests/e2e")
-# The units whose tests drive booted hosts.
-BOOTED_HOSTS = UNITS[:2]
+# Folders whose tests are one unit of work each, in the order they are handed out
+# (node ids are relative to the repository's root).
+TOGETHER = ("tests/system", "tests/e2e")
 
 
 def work_unit(nodeid: str) -> str:
-    """The unit of work of a test: the most specific entry of UNITS it is in, else its file."""
+    """The unit of work of a test: its folder for the folders in TOGETHER, else its file."""
     path = nodeid.split("::", 1)[0]
-    within = [unit for unit in UNITS if path == unit or path.startswith(unit + "/")]
-    return max(within, key=len) if within else path
+    return next((folder for folder in TOGETHER if path.startswith(folder + "/")), path)
+
+
+# Modules that leave the session's booted host changed for good (rolling.yml rolls a
+# new llmhost build and engine argument onto it): last within their unit of work.
+LAST = ("tests/system/test_gateway_two_hosts.py",)
 
 
 def handed_out_first(nodeid: str) -> int:
-    """A test's place in the collection: the units of UNITS in their order, then the rest."""
+    """A test's place in the collection: the system tests, the e2e tests, then the rest."""
     unit = work_unit(nodeid)
-    return UNITS.index(unit) if unit in UNITS else len(UNITS)
+    return TOGETHER.index(unit) if unit in TOGETHER else len(TOGETHER)
+
+
+def collection_order(nodeid: str) -> tuple[int, bool]:
+    """Where a test goes: by handed_out_first, and within that the modules in LAST last."""
+    return handed_out_first(nodeid), nodeid.split("::", 1)[0] in LAST
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: handed_out_first(item.nodeid))  # stable: the order within each part stays
+    items.sort(key=lambda item: collection_order(item.nodeid))  # stable: the order within each part stays
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -63,31 +65,32 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return Together(config, log)
 
 
-# The booted hosts' units are the run's longest paths, and the cores are busy for most of
-# the run. So the processes of every other test (its pytest worker and what it starts:
-# tritonserver, vLLM, Ansible) run at a lower CPU priority and take what the booted hosts
-# leave: the e2e tests a little lower, the modules that fill in after them lower still.
-# The booted hosts inherit their worker's priority. Without root a process cannot raise
-# its priority again: then it stays as it is.
-E2E_PRIORITY = 2
-LOWER_PRIORITY = 5
+# The system tests' unit is the run's longest path (one booted host, then two more and
+# the rolls), and the cores are busy for the whole run. So each worker's processes (its
+# pytest worker and all it starts: tritonserver, vLLM, Ansible, the booted hosts) have a
+# CPU weight by the tests it runs: the system tests' the most, the e2e tests' less, the
+# modules that fill in the least, which still keeps an Ansible run of forty hosts well
+# within its timeout while the others are busy. Each weight is a cgroup's cpu.shares
+# (tests/harness/cpugroups.py: nice values weigh only within a session, and the booted
+# hosts and many servers run in sessions of their own). Where there is no such group,
+# the worker's nice value stands in: NICENESS of the same share.
+CPU_WEIGHTS = {"tests/system": 2048, "tests/e2e": 1024}
+OTHER_CPU_WEIGHT = 512
+NICENESS = {2048: 0, 1024: 3, 512: 5}
 
 
-def niceness(nodeid: str) -> int:
-    """The nice value the processes of a test run at: 0 for the system tests, E2E_PRIORITY
-    for the e2e tests, else LOWER_PRIORITY."""
-    unit = work_unit(nodeid)
-    if unit in BOOTED_HOSTS:
-        return 0
-    return E2E_PRIORITY if unit == "tests/e2e" else LOWER_PRIORITY
+def cpu_weight(nodeid: str) -> int:
+    """The CPU weight of a test's worker while it runs the test (cpu.shares)."""
+    return CPU_WEIGHTS.get(work_unit(nodeid), OTHER_CPU_WEIGHT)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Before a test's fixtures start anything: this process at the test's niceness,
-    which the processes it starts inherit."""
-    with contextlib.suppress(PermissionError):
-        os.setpriority(os.PRIO_PROCESS, 0, niceness(item.nodeid))
+    """Before a test's fixtures start anything: this worker at the test's CPU weight."""
+    weight = cpu_weight(item.nodeid)
+    if _cpu_group is None or not _cpu_group.weigh(weight):
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, 0, NICENESS[weight])
 
 
 # A test that measures something for the record (the rolling test's request counts)
@@ -109,22 +112,22 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("figures recorded by the tests")
         for line in lines:
             terminalreporter.write_line(line)
-    cpu = cpuacct.summary(reports)
+    cpu = cpugroups.summary(reports)
     if cpu:
         terminalreporter.section("CPU and wall seconds by folder and module")
         for line in cpu:
             terminalreporter.write_line(line)
 
 
-# Each worker's CPU (and that of everything it starts) in a cpuacct group of its own
-# (tests/harness/cpuacct.py); every report carries what was used since the last one.
-_cpu_group: cpuacct.Group | None = None
+# Each worker (and everything it starts) in control groups of its own
+# (tests/harness/cpugroups.py); every report carries the CPU used since the last one.
+_cpu_group: cpugroups.Group | None = None
 _cpu_mark = 0.0
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     global _cpu_group, _cpu_mark
-    _cpu_group = cpuacct.Group.join(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}")
+    _cpu_group = cpugroups.Group.join(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}")
     _cpu_mark = _cpu_group.seconds() if _cpu_group else 0.0
 
 
@@ -139,7 +142,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     if _cpu_group is not None:
         now = _cpu_group.seconds()
-        report.user_properties.append((cpuacct.CPU_SECONDS, round(now - _cpu_mark, 3)))
+        report.user_properties.append((cpugroups.CPU_SECONDS, round(now - _cpu_mark, 3)))
         _cpu_mark = now
     return report
 

@@ -1,9 +1,7 @@
 """Two booted hosts behind one gateway (routing and failover across inference hosts), and a gateway on a
 host of its own.
 
-Host A is the converged host of this module's pytest worker: the module is a unit of work
-of its own (tests/conftest.py), so under `make test` its worker boots and converges A for
-it alone, beside the worker of the other system tests. Host B is booted here and converged with
+Host A is the session's converged host. Host B is booted here and converged with
 site.yml as an inference host whose gateway lists two upstreams: its own Triton
 and A's (`gateway_upstreams`). Both hosts share this machine's network, so A's
 Triton on 127.0.0.1 is reachable from B; on a real site A's Triton would listen on

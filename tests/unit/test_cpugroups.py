@@ -1,5 +1,5 @@
-"""The test run's CPU accounting (tests/harness/cpuacct.py): a worker's group, and the
-seconds added up by folder and module from the reports."""
+"""A test worker's control groups (tests/harness/cpugroups.py): joined, counted and
+weighted, and the seconds added up by folder and module from the reports."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.harness.cpuacct import CPU_SECONDS, GROUP_PREFIX, Group, folder_of, summary, totals
+from tests.harness.cpugroups import CPU_SECONDS, GROUP_PREFIX, Group, folder_of, summary, totals
 
 
 def _report(nodeid: str, cpu: float | None, duration: float) -> SimpleNamespace:
@@ -15,16 +15,35 @@ def _report(nodeid: str, cpu: float | None, duration: float) -> SimpleNamespace:
     return SimpleNamespace(nodeid=nodeid, user_properties=[("figure", "x"), *props], duration=duration)
 
 
-def test_a_worker_joins_a_group_of_its_own_and_reads_its_counter(tmp_path: Path):
-    group = Group.join("gw0-1", root=tmp_path)
-    assert group is not None and group.path == tmp_path / f"{GROUP_PREFIX}gw0-1"
-    assert (group.path / "cgroup.procs").read_text() == f"{os.getpid()}\n"
-    (group.path / "cpuacct.usage").write_text("2500000000\n")
+def _hierarchies(root: Path, *names: str) -> Path:
+    for name in names:
+        (root / name).mkdir(parents=True)
+    return root
+
+
+def test_a_worker_joins_groups_of_its_own_reads_its_counter_and_sets_its_weight(tmp_path: Path):
+    group = Group.join("gw0-1", root=_hierarchies(tmp_path, "cpuacct", "cpu"))
+    assert group is not None
+    assert group.accounting == tmp_path / "cpuacct" / f"{GROUP_PREFIX}gw0-1"
+    assert group.weighting == tmp_path / "cpu" / f"{GROUP_PREFIX}gw0-1"
+    for path in (group.accounting, group.weighting):
+        assert (path / "cgroup.procs").read_text() == f"{os.getpid()}\n"
+    (group.accounting / "cpuacct.usage").write_text("2500000000\n")
     assert group.seconds() == 2.5
+    assert group.weigh(2048)
+    assert (group.weighting / "cpu.shares").read_text() == "2048\n"
+    group.leave(root=tmp_path)
+    assert (tmp_path / "cpu" / "cgroup.procs").read_text() == f"{os.getpid()}\n"
+
+
+def test_without_a_cpu_hierarchy_it_is_counted_but_not_weighted(tmp_path: Path):
+    group = Group.join("gw1-2", root=_hierarchies(tmp_path, "cpuacct"))
+    assert group is not None and group.weighting is None
+    assert not group.weigh(512)
 
 
 def test_no_group_where_the_hierarchy_cannot_be_written(tmp_path: Path):
-    assert Group.join("gw0-1", root=tmp_path / "not-there" / "deeper") is None
+    assert Group.join("gw0-1", root=tmp_path / "not-there") is None
 
 
 def test_seconds_add_up_by_folder_and_by_module():
