@@ -51,9 +51,10 @@ test-e2e: setup
 # The booted hosts' root filesystem (debootstrap; the harness is stdlib-only, so the
 # system Python runs it) and the monitoring packages are fetched while the venv
 # installs: those wait on the network and the disk, the venv on one core.
-# Three workers (pytest-xdist): the system tests, the two-host module and the e2e tests
-# are a unit of work each, one to a worker; the other modules fill in after them
-# (tests/conftest.py). TEST_WORKERS=0 runs everything in one process.
+# Three workers (pytest-xdist): the system tests (the two-host module last) and the e2e
+# tests are a unit of work each, one to a worker; the third worker takes the other
+# modules from the start, the others after their unit, each worker with a CPU weight of
+# its own (tests/conftest.py). TEST_WORKERS=0 runs everything in one process.
 # A short base directory: Unix socket paths (vLLM's, the engine sockets) in the tests'
 # folders must stay under 108 bytes, and xdist adds popen-gwN/ to every one.
 TEST_WORKERS ?= 3

@@ -200,13 +200,21 @@ def batch_inventory(cases: list[Mapping[str, Any]]) -> dict[str, Any]:
     return {"all": {"children": {"inference": {"hosts": hosts}, "monitoring": {"hosts": {key: {} for key in hosts}}}}}
 
 
-def ansible_playbook_per_host(cases: list[Mapping[str, Any]], *args: str, timeout: float = 900) -> list[PlaybookRun]:
+# How long a run of many hosts may take: forty preflight cases are about 200 s of CPU, and
+# the workers that run these modules have the smallest CPU weight (tests/conftest.py), so
+# such a run took 750 s in a full run while the booted hosts and the e2e servers were busy.
+BATCH_TIMEOUT_S = 1800
+
+
+def ansible_playbook_per_host(cases: list[Mapping[str, Any]], *args: str,
+                              timeout: float = BATCH_TIMEOUT_S) -> list[PlaybookRun]:
     """One ansible-playbook run for all cases, one host each; per case what a run of its own prints."""
     return ansible_playbook_on_hosts(batch_inventory(cases), len(cases), *args, timeout=timeout)
 
 
 def ansible_playbook_on_hosts(
-    inventory: Mapping[str, Any], count: int, *args: str, shown_as: str = "localhost", timeout: float = 900
+    inventory: Mapping[str, Any], count: int, *args: str, shown_as: str = "localhost",
+    timeout: float = BATCH_TIMEOUT_S
 ) -> list[PlaybookRun]:
     """One ansible-playbook run against `inventory`, whose hosts are host_name(0) to
     host_name(count - 1); per host what a run on it alone prints, the host shown as `shown_as`."""
