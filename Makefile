@@ -35,7 +35,10 @@ setup: $(VENV)/.setup-done
 lint-python: setup
 	$(VENV)/bin/ruff check src tests lab roles/llmhost/library
 
-lint: lint-python lint-ansible lint-monitoring
+# The linters that need only the venv; lint-monitoring needs the monitoring packages too
+# (`make test` runs these while those install).
+LINT_VENV := lint-python lint-ansible
+lint: $(LINT_VENV) lint-monitoring
 
 test-unit: setup
 	$(VENV)/bin/pytest -q tests/unit tests/records
@@ -64,7 +67,7 @@ test:
 	@mkdir -p .cache; \
 	{ $(PYTHON) -m tests.harness rootfs && $(MAKE) --no-print-directory monitoring-deps; } > .cache/test-prerequisites.log 2>&1 & \
 	prerequisites=$$!; \
-	$(MAKE) --no-print-directory setup lint-python lint-ansible || { wait $$prerequisites; exit 1; }; \
+	$(MAKE) --no-print-directory setup $(LINT_VENV) || { wait $$prerequisites; exit 1; }; \
 	wait $$prerequisites || { cat .cache/test-prerequisites.log; \
 	  echo "make test: the test hosts' root filesystem or the monitoring packages could not be installed"; exit 1; }; \
 	$(MAKE) --no-print-directory lint-monitoring
