@@ -24,7 +24,8 @@ def _keys() -> KeyStore:
 
 def _app(*fakes: Fake) -> tuple[Any, UpstreamPool]:
     pool = UpstreamPool([(f"{f.name}:1", f) for f in fakes], ["m"], PoolSettings())
-    config = GatewayConfig(upstreams=[m.target for m in pool.members], models=["m"], max_body_bytes=4096)
+    config = GatewayConfig(upstreams=[m.target for m in pool.members], models=["m"], max_body_bytes=4096,
+                           routing_policy="least_loaded")
     return make_app(pool, _keys(), config=config), pool
 
 

@@ -28,7 +28,10 @@ def _pool(*fakes: Fake, models: tuple[str, ...] = ("m",), **settings: Any) -> Up
 
 
 def _app(pool: UpstreamPool, models: tuple[str, ...] = ("m",)) -> Any:
-    config = GatewayConfig(upstreams=[m.target for m in pool.members], models=list(models))
+    # Least loaded: these tests are of the pool's slots, checks and retries, not of
+    # routing by prompt (tests/unit/test_gateway_routing.py).
+    config = GatewayConfig(upstreams=[m.target for m in pool.members], models=list(models),
+                           routing_policy="least_loaded")
     return make_app(pool, config=config)
 
 

@@ -40,6 +40,8 @@ class MetricSpec:
     buckets: tuple[float, ...] = ()
     label: str | None = None  # one extra label name
     label_values: tuple[str, ...] = ()
+    # Labelled with the model instance too (INSTANCE_LABEL): a series of each engine.
+    per_instance: bool = False
 
 
 SPECS: tuple[MetricSpec, ...] = (
@@ -68,6 +70,17 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("vllm:request_generation_tokens", "histogram", "Output length of finished requests.",
                TOKEN_BUCKETS),
     MetricSpec("vllm:request_params_n", "histogram", "The n sampling parameter of requests.", N_BUCKETS),
+)
+# The label naming the model instance (one engine) of a per-instance series: not
+# ``instance``, which Prometheus sets to the scraped target.
+INSTANCE_LABEL = "model_instance"
+# vLLM's prefix-cache counters, per engine: a fleet's hit rate is the sum of hits over
+# the sum of queries; a replica's, its own (what cache-aware routing raises).
+SPECS += (
+    MetricSpec("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+               per_instance=True),
+    MetricSpec("vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+               per_instance=True),
 )
 # The backend's own: how long an engine output waits before its response leaves
 # the backend (handed to tritonserver, or written to the engine socket).
@@ -132,11 +145,17 @@ class ServingMetrics:
             for v in values:
                 hist.observe(v)
 
-    def record_scheduler(self, running: int, waiting: int, kv_cache_usage: float, preemptions: int = 0) -> None:
+    def record_scheduler(self, running: int, waiting: int, kv_cache_usage: float, preemptions: int = 0,
+                         prefix_queries: int = 0, prefix_hits: int = 0) -> None:
         with self._lock:
             self._gauges["vllm:num_requests_running"] = running
             self._gauges["vllm:num_requests_waiting"] = waiting
             self._gauges["vllm:kv_cache_usage_perc"] = kv_cache_usage
+            c = self._counters
+            for name, value in (("vllm:prefix_cache_queries_total", prefix_queries),
+                                ("vllm:prefix_cache_hits_total", prefix_hits)):
+                if value:
+                    c[(name, None)] = c.get((name, None), 0.0) + value
 
     def record_iteration(
         self,
@@ -232,8 +251,9 @@ def series_names() -> list[str]:
 class TritonExporter:
     """Applies ServingMetrics deltas to pb_utils metric families (stub side)."""
 
-    def __init__(self, pb_utils: Any, model: str, version: str) -> None:
+    def __init__(self, pb_utils: Any, model: str, version: str, instance: str | None = None) -> None:
         self._labels = {"model": model, "version": version}
+        self._instance = instance or model
         self._families: dict[str, Any] = {}
         self._metrics: dict[tuple[str, str | None], Any] = {}
         self._pb = pb_utils
@@ -263,6 +283,8 @@ class TritonExporter:
         metric = self._metrics.get(key)
         if metric is None:
             labels = dict(self._labels)
+            if SPEC_BY_NAME.get(series) is not None and SPEC_BY_NAME[series].per_instance:
+                labels[INSTANCE_LABEL] = self._instance
             if label is not None:
                 base = series.removesuffix("_bucket")
                 extra = "le" if series.endswith("_bucket") else SPEC_BY_NAME[base].label

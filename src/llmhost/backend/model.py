@@ -472,7 +472,8 @@ class TritonPythonModel:
         """The metric families on Triton's /metrics; None where the server has metrics
         off (``--allow-metrics=false``), as vllm_backend then goes on without them."""
         try:
-            return TritonExporter(pb, args["model_name"], args.get("model_version", "1"))
+            return TritonExporter(pb, args["model_name"], args.get("model_version", "1"),
+                                  str(args.get("model_instance_name") or args["model_name"]))
         except pb.TritonModelException as exc:
             if "metrics not supported" not in str(exc):
                 raise

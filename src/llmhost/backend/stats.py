@@ -23,10 +23,13 @@ class ServingStatLogger(StatLoggerBase):
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                engine_idx: int = 0) -> None:
         if scheduler_stats is not None:
+            prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
             self.metrics.record_scheduler(
                 running=scheduler_stats.num_running_reqs,
                 waiting=scheduler_stats.num_waiting_reqs,
                 kv_cache_usage=scheduler_stats.kv_cache_usage,
+                prefix_queries=prefix.queries if prefix is not None else 0,
+                prefix_hits=prefix.hits if prefix is not None else 0,
             )
         if iteration_stats is not None:
             self.metrics.record_iteration(

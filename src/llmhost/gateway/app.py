@@ -36,6 +36,8 @@ from llmhost.gateway.native import NativeApi
 from llmhost.gateway.pool import PoolSettings, UpstreamPool
 from llmhost.gateway.record import Observer, RequestMiddleware, RequestRecord, record_of
 from llmhost.gateway.responses import Accumulator, completion_body, new_id, stream_chunks
+from llmhost.gateway.routing import CACHE_AWARE, SESSION_HEADER, prompt_key_text, route_key
+from llmhost.gateway.routing import Route as RequestRoute
 from llmhost.gateway.upstream import Piece, Upstream
 
 # The backend's default max_tokens: the tokens-per-minute estimate of a request
@@ -207,10 +209,24 @@ class Gateway(Access):
         except ClientGone:
             return Response(None, 499)
 
+    def route(self, req: BackendRequest, request: Request) -> RequestRoute:
+        """Where REQ goes: its model's routing policy and, for cache-aware routing, its key
+        (the session header, the ``user`` field where that pins, else the prompt's start)."""
+        settings = self.config.routing
+        policy = settings.policy_of(req.model)
+        if policy != CACHE_AWARE:
+            return RequestRoute(policy, load_factor=settings.load_factor)
+        session = request.headers.get(SESSION_HEADER) or (req.user if settings.session_user else None)
+        text = prompt_key_text(req.text_input, req.messages, req.prompt_token_ids, settings.prefix_chars)
+        key, kind = route_key(req.model, text, session)
+        return RequestRoute(policy, key, kind, settings.load_factor)
+
     def _pieces(self, req: BackendRequest, request: Request) -> AsyncIterator[Piece]:
         """The backend's pieces for REQ: one upstream request, or one per prompt of a batch, merged."""
         def call(one: BackendRequest) -> AsyncIterator[Piece]:
-            return self.pool.stream(one.model, lambda client: client.generate(one), self.note_upstream(request))
+            one.route = self.route(one, request)
+            return self.pool.stream(one.model, lambda client: client.generate(one), self.note_upstream(request),
+                                    one.route)
 
         if not req.batch:
             return call(req)

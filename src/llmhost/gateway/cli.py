@@ -36,6 +36,7 @@ from llmhost.gateway.config import (
 )
 from llmhost.gateway.connections import guarded_protocol, raise_open_files_limit
 from llmhost.gateway.keys import MIN_KEY_CHARS, ApiKey, KeysError, KeyStore, hash_key, load_keys
+from llmhost.gateway.routing import POLICIES, SESSION_HEADER
 from llmhost.gateway.workers import (
     CORES_PER_WORKER,
     MAX_AUTO_WORKERS,
@@ -88,6 +89,23 @@ def _engine_sockets(text: str) -> tuple[str, Path]:
     if not sep or not directory:
         raise argparse.ArgumentTypeError(f"expected UPSTREAM=DIR (HOST:PORT=folder), got {text!r}")
     return join_host_port(_host_port(upstream)), Path(directory)
+
+
+def _model_policy(text: str) -> tuple[str, str]:
+    name, sep, policy = text.partition("=")
+    if not sep or not name or policy not in POLICIES:
+        raise argparse.ArgumentTypeError(f"expected NAME=POLICY with a policy of {', '.join(POLICIES)}, got {text!r}")
+    return name, policy
+
+
+def _load_factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,6 +184,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-sockets", type=_engine_sockets, action="append", metavar="UPSTREAM=DIR",
                    help="an upstream on this host and the folder of its engine sockets: its streams go "
                         "through them, one line per engine step (repeat per upstream)")
+    p.add_argument("--routing", choices=POLICIES,
+                   help="how a model's replicas (upstreams, and engine sockets on this host) share its requests: "
+                        "by the prompt's prefix with a load bound (cache_aware), the fewest in flight "
+                        f"(least_loaded), or in turn (round_robin); default {d.routing_policy}")
+    p.add_argument("--model-routing", type=_model_policy, action="append", metavar="NAME=POLICY",
+                   help="a model's own routing policy (repeat per model)")
+    p.add_argument("--routing-prefix-chars", type=_positive, metavar="N",
+                   help="cache_aware: the prompt's leading characters that make its routing key "
+                        f"(default {d.routing_prefix_chars})")
+    p.add_argument("--routing-load-factor", type=_load_factor, metavar="F",
+                   help="cache_aware: a replica takes a request while its requests in flight are under F times "
+                        f"the mean (default {d.routing_load_factor:g})")
+    p.add_argument("--routing-session-user", action="store_true", default=None,
+                   help="cache_aware: the OpenAI user field pins a conversation to a replica, as the "
+                        f"{SESSION_HEADER} header does")
     p.add_argument("--log-level", choices=LOG_LEVELS)
     p.add_argument("--event-loop", choices=EVENT_LOOPS,
                    help=f"asyncio's own event loop or uvloop (default {d.event_loop})")
@@ -190,7 +223,7 @@ def hash_key_main(argv: list[str]) -> int:
 
 
 # Flag dest -> GatewayConfig field, where they differ.
-_FLAG_FIELDS = {"upstream": "upstreams", "model": "models"}
+_FLAG_FIELDS = {"upstream": "upstreams", "model": "models", "routing": "routing_policy"}
 
 
 def settings(args: argparse.Namespace) -> GatewayConfig:
@@ -205,7 +238,7 @@ def settings(args: argparse.Namespace) -> GatewayConfig:
             value = [join_host_port(v) for v in value]
         elif name == "models":
             value = list(dict.fromkeys(value))
-        elif name == "engine_sockets":
+        elif name in ("engine_sockets", "model_routing"):
             value = dict(value)
         values[name] = value
     config = GatewayConfig(**values)
@@ -229,6 +262,9 @@ def settings(args: argparse.Namespace) -> GatewayConfig:
                           "loopback, or say --allow-anonymous-metrics (allow_anonymous_metrics: true)")
     if len(set(config.upstreams)) != len(config.upstreams):
         raise ConfigError("an upstream is given twice")
+    for name in config.model_routing:
+        if name not in config.models:
+            raise ConfigError(f"--model-routing {name}=...: {name} is not a served model ({', '.join(config.models)})")
     for upstream in config.engine_sockets:
         if upstream not in config.upstreams:
             raise ConfigError(f"--engine-sockets {upstream}=...: {upstream} is not an upstream "

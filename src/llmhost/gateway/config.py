@@ -37,6 +37,12 @@ unknown key is refused by name. Relative paths are relative to the file's folder
       header_timeout_s: 10             # --header-timeout-s; a request head must arrive whole in this long
       body_timeout_s: 30               # --body-timeout-s; then the request body (else 408)
       idle_timeout_s: 5                # --idle-timeout-s; a kept-alive connection without a request
+    routing:                           # which replica takes a request (llmhost.gateway.routing)
+      policy: cache_aware              # --routing: cache_aware, least_loaded or round_robin
+      models: {embedder: least_loaded} # --model-routing NAME=POLICY; a model's own policy
+      prefix_chars: 1024               # --routing-prefix-chars; the prompt's start that makes its key
+      load_factor: 1.25                # --routing-load-factor; a replica's bound, times the mean load
+      session_user: false              # --routing-session-user; the OpenAI user field pins like x-session-id
     tls:                               # both or neither
       cert: /etc/llmhost/gateway.crt   # --tls-cert
       key: /etc/llmhost/gateway.key    # --tls-key
@@ -50,6 +56,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from llmhost.gateway.routing import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, POLICIES, RoutingSettings
 
 # Larger request bodies are refused (413) before parsing; raise it (--max-body-bytes)
 # for long-context models whose prompts, JSON-escaped, need more.
@@ -140,6 +148,17 @@ class GatewayConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 5.0
+    # Routing among a model's replicas (llmhost.gateway.routing).
+    routing_policy: str = DEFAULT_POLICY
+    model_routing: dict[str, str] = field(default_factory=dict)
+    routing_prefix_chars: int = DEFAULT_PREFIX_CHARS
+    routing_load_factor: float = DEFAULT_LOAD_FACTOR
+    routing_session_user: bool = False
+
+    @property
+    def routing(self) -> RoutingSettings:
+        return RoutingSettings(self.routing_policy, dict(self.model_routing), self.routing_prefix_chars,
+                               self.routing_load_factor, self.routing_session_user)
 
 
 # File key -> (GatewayConfig field, kind); sections hold nested keys.
@@ -154,7 +173,7 @@ _TOP: dict[str, tuple[str, str]] = {
     "allow_remote_images": ("allow_remote_images", "bool"), "metrics_tls": ("metrics_tls", "bool"),
 }
 # Kinds whose value is one of a few names.
-_CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "event_loop": EVENT_LOOPS}
+_CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "event_loop": EVENT_LOOPS, "policy": POLICIES}
 _SECTIONS: dict[str, dict[str, tuple[str, str]]] = {
     "health": {"interval_s": ("health_interval_s", "positive"), "timeout_s": ("health_timeout_s", "positive"),
                "unhealthy_threshold": ("health_unhealthy_threshold", "positive_int"),
@@ -165,6 +184,10 @@ _SECTIONS: dict[str, dict[str, tuple[str, str]]] = {
     "connections": {"max": ("max_connections", "positive_int"), "header_timeout_s": ("header_timeout_s", "positive"),
                     "body_timeout_s": ("body_timeout_s", "positive"), "idle_timeout_s": ("idle_timeout_s", "positive")},
     "tls": {"cert": ("tls_cert", "path"), "key": ("tls_key", "path")},
+    "routing": {"policy": ("routing_policy", "policy"), "models": ("model_routing", "policies"),
+                "prefix_chars": ("routing_prefix_chars", "positive_int"),
+                "load_factor": ("routing_load_factor", "load_factor"),
+                "session_user": ("routing_session_user", "bool")},
 }
 
 
@@ -211,6 +234,14 @@ def _value(where: str, kind: str, raw: Any, base: Path) -> Any:
             raise bad("a mapping of upstream HOST:PORT to the folder of its engine sockets")
         return {join_host_port(_value(f"{where} key", "host_port", k, base)): _value(f"{where}[{k}]", "path", v, base)
                 for k, v in raw.items()}
+    if kind == "load_factor":
+        if isinstance(raw, bool) or not isinstance(raw, int | float) or raw < 1:
+            raise bad("a number >= 1")
+        return float(raw)
+    if kind == "policies":
+        if not isinstance(raw, dict) or not all(isinstance(k, str) and k for k in raw):
+            raise bad(f"a mapping of model names to a policy ({', '.join(POLICIES)})")
+        return {name: _value(f"{where}.{name}", "policy", value, base) for name, value in raw.items()}
     if kind == "names":
         if not isinstance(raw, list) or not raw or not all(isinstance(x, str) and x for x in raw):
             raise bad("a non-empty list of model names")

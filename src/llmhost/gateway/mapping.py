@@ -20,6 +20,7 @@ from llmhost.gateway.openai_models import (
     NamedToolChoice,
     ResponseFormat,
 )
+from llmhost.gateway.routing import Route
 
 # Sampling fields passed to the backend under the same name when given.
 PASSED = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -63,6 +64,8 @@ class BackendRequest:
     # The chat's pictures in order (image_url parts): base64 text, or remote URLs that
     # the gateway fetches before the request goes upstream (llmhost.gateway.images).
     images: list[str | RemoteImage] = field(default_factory=list)
+    # Where the gateway sends it (llmhost.gateway.routing); never sent upstream.
+    route: Route | None = None
 
     @property
     def choices(self) -> int:

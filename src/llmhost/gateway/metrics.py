@@ -25,6 +25,10 @@ auth with TOKEN as the password, any user name), else 401.
 - ``llmhost_gateway_panic_routed_total``: requests sent to an upstream out of service
   because none was in service for their model (the pool's panic mode).
 - ``llmhost_gateway_upstream_outstanding{upstream}``: requests in flight on it.
+- ``llmhost_gateway_routing_decisions_total{model,reason}``: requests routed to a
+  replica, by the decision's reason (``llmhost.gateway.routing``): ``prefix`` or
+  ``session`` (the routing key's replica), ``load_bound`` (that one was over its load
+  bound), ``no_key``, ``least_loaded``, ``round_robin``.
 
 With several worker processes (``workers``), the supervisor serves every worker's
 counters and histograms in one /metrics (prometheus_client's multiprocess mode), and
@@ -52,6 +56,7 @@ from starlette.types import Receive, Scope, Send
 
 from llmhost.gateway.pool import STATES
 from llmhost.gateway.record import RequestRecord
+from llmhost.gateway.routing import REASONS
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -122,10 +127,21 @@ class GatewayMetrics:
         self._transit_of: dict[str, Any] = {}
         self.rate_limited = Counter("llmhost_gateway_rate_limited", "Requests refused (429) by a key's limit",
                                     ["key", "limit"], registry=self.registry)
+        self.routing = Counter("llmhost_gateway_routing_decisions", "Requests routed to a replica, by the "
+                               "decision's reason (prefix, session, load_bound, no_key, least_loaded, round_robin)",
+                               ["model", "reason"], registry=self.registry)
+        for model in sorted(self.models):  # at zero from the start, so rate() sees the first decision
+            for reason in REASONS:
+                self.routing.labels(model, reason)
 
     def watch_pool(self, pool: Any) -> None:
         """Serve the upstream gauges of POOL (anything with ``view()`` and ``panic_routed``)."""
         self.registry.register(PoolCollector(lambda: pool_rows(pool)))
+        pool.on_route = self.routed
+
+    def routed(self, model: str, reason: str) -> None:
+        """One request routed for REASON (the pool's on_route)."""
+        self.routing.labels(self.model_label(model), reason if reason in REASONS else "no_key").inc()
 
     def engine_line(self, model: str, tokens: int, transit_s: float) -> None:
         """One engine socket line read (upstream.Upstream's on_line)."""

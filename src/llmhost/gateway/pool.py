@@ -6,8 +6,11 @@
   that is out comes back after ``healthy_threshold`` passed checks in a row, so that
   one late answer from a busy server neither takes it out nor one good answer from a
   flapping server brings it back. At start, an upstream's first check decides.
-- Per request the pool picks, among upstreams in service where the model is ready, the
-  one with the fewest requests outstanding. When none is in service for the model, it
+- Per request the pool picks, among upstreams in service where the model is ready and
+  with room, one by the model's routing policy (``llmhost.gateway.routing``: by the
+  request's prompt prefix with a load bound, the least outstanding, or in turn); an
+  upstream of this host then picks one of the model's engine sockets the same way.
+  When none is in service for the model, it
   still tries those not known to be draining or unreachable whose last answer had the
   model ready (a panic mode, as Envoy's panic threshold), rather than refuse every
   request because the checks are late. At most ``max_concurrent`` requests are in
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from llmhost.gateway.errors import ApiError, unavailable
+from llmhost.gateway.routing import Chooser, Route
 from llmhost.gateway.upstream import Draining, NotStarted, UpstreamDown
 
 T = TypeVar("T")
@@ -121,6 +125,9 @@ class UpstreamPool:
         self.waiting = 0
         self.panic_routed = 0  # requests sent to an upstream out of service, none being in service
         self.log = log
+        self.chooser = Chooser()
+        # Sees (model, reason) of each routed request once it ends (the gateway's metrics).
+        self.on_route: Callable[[str, str], None] | None = None
         self._changed = asyncio.Condition()
 
     # --- health -----------------------------------------------------------------
@@ -261,36 +268,39 @@ class UpstreamPool:
             return [m for m in self.members if m.serves(model) and m.target not in exclude]
         return [m for m in self.members if m.may_try(model) and m.target not in exclude]
 
-    def _free(self, model: str, exclude: set[str]) -> Member | None:
+    def _free(self, model: str, exclude: set[str], route: Route | None = None) -> Member | None:
         ready = [m for m in self._candidates(model, exclude) if m.outstanding < self.settings.max_concurrent]
-        return min(ready, key=lambda m: m.outstanding) if ready else None
+        if not ready:
+            return None
+        return self.chooser.choose(route, model, ready, lambda m: m.target, lambda m: m.outstanding)
 
-    async def acquire(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> Member:
-        """A slot on the least busy upstream where MODEL is ready, waiting in the queue
-        when all are full; 503 (with Retry-After) when none serves it, the queue is
-        full, or the wait is over."""
+    async def acquire(self, model: str, exclude: set[str] | frozenset[str] = frozenset(),
+                      route: Route | None = None) -> Member:
+        """A slot on an upstream where MODEL is ready, picked by ROUTE (None: the least
+        busy), waiting in the queue when all are full; 503 (with Retry-After) when none
+        serves it, the queue is full, or the wait is over."""
         await self._ensure_checked()
         exclude = set(exclude)
         if not self._candidates(model, exclude):
             raise self._none_ready(model)
-        member = self._free(model, exclude)
+        member = self._free(model, exclude, route)
         if member is None:
             if self.waiting >= self.settings.max_queue:
                 raise unavailable(f"the gateway is at capacity ({self.settings.max_queue} requests waiting); retry "
                                   "shortly", "queue_full", 1)
-            member = await self._wait(model, exclude)
+            member = await self._wait(model, exclude, route)
         member.outstanding += 1
         if not member.in_service:
             self.panic_routed += 1
         return member
 
-    async def _wait(self, model: str, exclude: set[str]) -> Member:
+    async def _wait(self, model: str, exclude: set[str], route: Route | None) -> Member:
         self.waiting += 1
         deadline = time.monotonic() + self.settings.queue_timeout_s
         try:
             async with self._changed:
                 while True:
-                    member = self._free(model, exclude)
+                    member = self._free(model, exclude, route)
                     if member is not None:
                         return member
                     if not self._candidates(model, exclude):
@@ -309,18 +319,28 @@ class UpstreamPool:
         await self._notify()
 
     async def stream(self, model: str, open_call: Callable[[Any], AsyncIterator[T]],
-                     note: Callable[[str], None] | None = None) -> AsyncIterator[T]:
-        """The items of OPEN_CALL(client) on a picked upstream, holding its slot until
-        the iteration ends; tried once more when it failed before its first item: as
-        down or draining, on another upstream; not started, on another where one serves
-        the model, else on the same."""
+                     note: Callable[[str], None] | None = None, route: Route | None = None) -> AsyncIterator[T]:
+        """The items of OPEN_CALL(client) on an upstream picked by ROUTE, holding its
+        slot until the iteration ends; tried once more when it failed before its first
+        item: as down or draining, on another upstream; not started, on another where
+        one serves the model, else on the same."""
+        try:
+            async with contextlib.aclosing(self._stream(model, open_call, note, route)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            if route is not None and route.reason is not None and self.on_route is not None:
+                self.on_route(model, route.reason)
+
+    async def _stream(self, model: str, open_call: Callable[[Any], AsyncIterator[T]],
+                      note: Callable[[str], None] | None, route: Route | None) -> AsyncIterator[T]:
         tried: set[str] = set()
         last: ApiError | None = None
         while True:
             if last is not None and not tried:  # not started, and no other upstream serves it
                 await asyncio.sleep(SAME_UPSTREAM_PAUSE_S)
             try:
-                member = await self.acquire(model, tried)
+                member = await self.acquire(model, tried, route)
             except ApiError:
                 if last is not None:  # no other upstream to retry on: the first failure
                     raise last from None

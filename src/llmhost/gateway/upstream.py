@@ -3,7 +3,8 @@ the server is on this host (``llmhost.backend.stream_socket``: one line per engi
 step), else over Triton's gRPC streaming (``ModelStreamInfer``).
 
 A request goes to a model's engine socket when ``socket_dir`` holds one for it
-(round robin over the model's instances); where none is there, or the socket drops
+(one of the model's instances, picked by the request's route: llmhost.gateway.routing;
+in turn for a request without one); where none is there, or the socket drops
 the request before any answer, it goes over gRPC.
 
 Uses tritonclient's generated gRPC stubs on a ``grpc.aio`` channel: the asyncio
@@ -22,13 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from llmhost.gateway.errors import ApiError, invalid
 from llmhost.gateway.mapping import BackendRequest
+from llmhost.gateway.routing import ROUND_ROBIN, Chooser, Route
 
 # How the messages begin that mean "this server cannot serve now; retry" (503), not
 # "your request is wrong" (400): the backend's (llmhost.backend.watchdog, health.py,
@@ -266,7 +267,9 @@ class Upstream:
         self.on_line = on_line
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
-        self._turn = itertools.count()
+        self._chooser = Chooser()
+        # Requests in flight on each engine socket (by its name), for the routing policies.
+        self._socket_load: dict[str, int] = {}
 
     def _get_stub(self) -> Any:
         if self._stub is None:
@@ -313,26 +316,45 @@ class Upstream:
         return {"name": m.name, "versions": list(m.versions), "platform": m.platform,
                 "inputs": tensors(m.inputs), "outputs": tensors(m.outputs)}
 
-    def engine_socket(self, model: str) -> Path | None:
-        """One of MODEL's engine sockets (in turn), or None. A socket's name starts
-        with the model version its instance serves: ``<version>-<instance>.sock``."""
+    def engine_sockets(self, model: str) -> list[Path]:
+        """MODEL's engine sockets on this host, by name (none where it has no folder of
+        sockets). A socket's name starts with the model version its instance serves:
+        ``<version>-<instance>.sock``."""
         if self.socket_dir is None or not model or model.startswith(".") or "/" in model:
-            return None
+            return []
         try:
             with os.scandir(self.socket_dir / model) as entries:
-                found = sorted(e.path for e in entries if e.name.endswith(".sock"))
+                return sorted(Path(e.path) for e in entries if e.name.endswith(".sock"))
         except OSError:
+            return []
+
+    def engine_socket(self, model: str, route: Route | None = None) -> Path | None:
+        """One of MODEL's engine sockets, picked by ROUTE (None: in turn), or None."""
+        found = self.engine_sockets(model)
+        if not found:
             return None
-        return Path(found[next(self._turn) % len(found)]) if found else None
+        return self._chooser.choose(route or Route(ROUND_ROBIN), model, found, lambda p: p.name,
+                                    lambda p: self._socket_load.get(p.name, 0))
+
+    @contextlib.contextmanager
+    def _counted(self, path: Path) -> Iterator[None]:
+        """PATH has one more request in flight for the duration."""
+        self._socket_load[path.name] = self._socket_load.get(path.name, 0) + 1
+        try:
+            yield
+        finally:
+            self._socket_load[path.name] -= 1
 
     async def generate(self, req: BackendRequest) -> AsyncIterator[Piece]:
         """The backend's responses for one request. Leaving the iteration early
         (an exception, a cancelled task, ``aclose``) cancels the upstream request."""
-        path = self.engine_socket(req.model)
+        path = self.engine_socket(req.model, req.route)
         if path is not None:
             try:
-                async for outputs, final in self.socket_lines(path, req.model, socket_request(req, uuid.uuid4().hex)):
-                    yield socket_piece(outputs, final)
+                with self._counted(path):
+                    async for outputs, final in self.socket_lines(path, req.model,
+                                                                  socket_request(req, uuid.uuid4().hex)):
+                        yield socket_piece(outputs, final)
                 return
             except _NoAnswer:
                 pass  # over gRPC instead
@@ -353,8 +375,9 @@ class Upstream:
             version = path.name.partition("-")[0]
             data = json.dumps(line, separators=(",", ":")).encode("utf-8", "surrogatepass") + b"\n"
             try:
-                async for outputs, _ in self.socket_lines(path, model, data):
-                    yield version, outputs
+                with self._counted(path):
+                    async for outputs, _ in self.socket_lines(path, model, data):
+                        yield version, outputs
                 return
             except _NoAnswer:
                 pass  # over gRPC instead
