@@ -385,6 +385,27 @@ def serving() -> db.Dashboard:
            targets((f"sum by (state) (llmhost_gateway_upstream_state{{{HOST}}})", "{{state}}"),
                    (f"sum(rate(llmhost_gateway_panic_routed_total{{{HOST}}}{RATE}))", "panic-routed req/s"))),
     ]
+    # A model's replicas (engines: model instances on a host, and hosts) and how the gateway
+    # spreads requests over them (llmhost.gateway.routing; docs/api.md#replicas-and-routing).
+    prefix_hits = "sum by ({by}) (rate(vllm:prefix_cache_hits_total{{{sel}}}{r}))"
+    prefix_queries = "sum by ({by}) (rate(vllm:prefix_cache_queries_total{{{sel}}}{r}))"
+    routing = [
+        ts("Prefix-cache hit rate per replica", "Share of prompt tokens found in vLLM's prefix cache, per engine "
+           "(host and Triton model instance) and for each model's whole fleet (hits over queries summed over its "
+           "engines). Cache-aware routing (gateway_routing) sends requests that share a prompt's start to the "
+           "same engine, so that it computes the prefix once.", "percentunit",
+           targets(*[(f"{prefix_hits.format(by=by, sel=SERVING, r=RATE)}"
+                      f" / {prefix_queries.format(by=by, sel=SERVING, r=RATE)}", legend)
+                     for by, legend in (("instance, model, model_instance", "{{instance}} {{model_instance}}"),
+                                        ("model", "fleet {{model}}"))]),
+           max_val=1),
+        ts("Routing decisions by reason", "Requests the gateway routed to a replica per second, by the decision's "
+           "reason: prefix or session (the routing key's replica), load_bound (that one was over its load bound: "
+           "the next in the key's order took it), no_key (nothing to key on: the least loaded), least_loaded, "
+           "round_robin (the model's policy).", "reqps",
+           targets((f"sum by (model, reason) (rate(llmhost_gateway_routing_decisions_total{{{SERVING}}}{RATE}))",
+                    "{{model}} {{reason}}")), stack=True),
+    ]
     # Where a stream's time goes between the engine and the client (docs/performance.md):
     # each engine step should reach the client as its own event.
     streaming = [
@@ -412,7 +433,7 @@ def serving() -> db.Dashboard:
     )
     return add(d, [("Overview", overview), ("Requests", traffic), ("Latency", latency),
                    ("Throughput and load", load), ("Request lengths", lengths), ("Gateway", gateway),
-                   ("Streaming path", streaming)])
+                   ("Replicas and routing", routing), ("Streaming path", streaming)])
 
 
 # --- (b) Triton ---------------------------------------------------------------------------------

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kind", choices=KINDS, help="Triton instance kind (default: KIND_CPU on cpu, KIND_MODEL on "
                    "gpu, the roles' rule; KIND_GPU pins each instance to one GPU)")
     s.add_argument("--gpus", type=_gpu_list, metavar="0,1", help="GPU ids of the model (default: the server's)")
+    s.add_argument("--instances", type=int, default=1, metavar="N",
+                   help="model instances (replicas: one vLLM engine and engine socket each; with KIND_GPU, N on "
+                        "every GPU of --gpus); default 1")
     s.add_argument("--max-model-len", type=int)
     # The backend's defaults (llmhost.backend.config.BackendSettings), not restated.
     s.add_argument("--default-max-tokens", type=int, default=BackendSettings.default_max_tokens)
@@ -317,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
             max_n=args.max_n, drain_timeout_s=args.drain_timeout, kv_cache_gib=args.kv_cache_gib,
             engine_args=dict(args.engine_arg), settings=dict(args.setting), triton_args=list(args.triton_arg),
-            kind=args.kind, gpus=args.gpus,
+            kind=args.kind, gpus=args.gpus, instance_count=args.instances,
             multi_lora=args.multi_lora,
         )
         try:

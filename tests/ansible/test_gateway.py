@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -50,6 +51,11 @@ PASSING: dict[str, dict[str, Any]] = {
                              "gateway_metrics_token": METRICS_TOKEN},
     "anonymous metrics": {**keys({"name": "a", "key": KEY}), "gateway_metrics_listen_address": "0.0.0.0",
                           "gateway_metrics_allow_anonymous": True},
+    # The demo's models: tiny and embed.
+    "routing per model": {**keys({"name": "a", "key": KEY}), "gateway_routing": "round_robin",
+                          "gateway_model_routing": {"embed": "least_loaded", "tiny": "cache_aware"},
+                          "gateway_routing_prefix_chars": 512, "gateway_routing_load_factor": 2,
+                          "gateway_routing_session_user": True},
 }
 
 
@@ -144,6 +150,17 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("admin not a boolean", keys({"name": "a", "key": KEY, "admin": "yes"}), ("gateway_api_keys[0] (a)", "admin")),
     ("unknown model", {**keys({"name": "a", "key": KEY}), "gateway_models": ["llama"]}, ("gateway_models", "llama")),
     ("bad upstream", {**keys({"name": "a", "key": KEY}), "gateway_upstreams": ["localhost"]}, ("gateway_upstreams",)),
+    ("unknown routing policy", {**keys({"name": "a", "key": KEY}), "gateway_routing": "fastest"},
+     ("gateway_routing", "fastest")),
+    ("model routing of a model not served", {**keys({"name": "a", "key": KEY}),
+                                             "gateway_model_routing": {"llama": "round_robin"}},
+     ("gateway_model_routing", "llama")),
+    ("unknown model routing policy", {**keys({"name": "a", "key": KEY}), "gateway_model_routing": {"tiny": "random"}},
+     ("gateway_model_routing", "random")),
+    ("routing load factor under 1", {**keys({"name": "a", "key": KEY}), "gateway_routing_load_factor": 0.5},
+     ("gateway_routing_load_factor", ">= 1")),
+    ("routing prefix chars zero", {**keys({"name": "a", "key": KEY}), "gateway_routing_prefix_chars": 0},
+     ("gateway_routing_prefix_chars", ">= 1")),
 ]
 
 
@@ -210,6 +227,13 @@ RENDERS: dict[str, dict[str, Any]] = {
     "play's CA, remote upstream": {**PLAYS_CA, "gateway_upstreams": ["10.0.0.1:8001"]},
     "play's CA, local upstream": {**PLAYS_CA, "gateway_upstreams": ["127.0.0.1:8001"]},
     "remote images": {**TINY, "gateway_allow_remote_images": True},
+    "routing per model": {**ALICE, "llmhost_models": [{"name": "tiny", "source": "tiny"},
+                                                      {"name": "embed", "source": "tiny"},
+                                                      {"name": "qwen", "source": "tiny"}],
+                          "gateway_listen_address": "127.0.0.1", "gateway_routing": "least_loaded",
+                          "gateway_model_routing": {"tiny": "cache_aware", "embed": "round_robin"},
+                          "gateway_routing_prefix_chars": 2048, "gateway_routing_load_factor": 1.5,
+                          "gateway_routing_session_user": True},
 }
 
 # Renders every host's files into the folder of its host var _render_dir. The role's
@@ -519,3 +543,59 @@ def test_remote_image_urls_are_fetched_only_when_allowed(renders: dict[str, Rend
     run = renders["remote images"].run
     assert run.rc == 0, run.output
     assert "  --allow-remote-images \\\n" in renders["remote images"].read("unit")
+
+
+def _exec_start(unit: str) -> list[str]:
+    """ExecStart= of a unit file as systemd splits it (continuation lines joined)."""
+    lines = [ln for ln in unit.replace("\\\n", " ").splitlines() if ln.startswith("ExecStart=")]
+    assert len(lines) == 1, unit
+    return shlex.split(lines[0].removeprefix("ExecStart="))
+
+
+def test_preflight_passes_routing_settings_of_served_models(passing_runs: dict[str, PlaybookRun]) -> None:
+    run = passing_runs["routing per model"]
+    assert run.rc == 0, run.output
+    assert "Assert gateway_model_routing gives served models a routing policy" in run.output
+
+
+def test_the_unit_routes_cache_aware_by_default(renders: dict[str, Rendered]) -> None:
+    run = renders["plain"].run
+    assert run.rc == 0, run.output
+    unit = renders["plain"].read("unit")
+    for want in ("  --routing cache_aware \\\n", "  --routing-prefix-chars 1024 \\\n",
+                 "  --routing-load-factor 1.25 \\\n"):
+        assert want in unit, want
+    assert "--model-routing" not in unit and "--routing-session-user" not in unit
+
+
+def test_the_unit_renders_the_routing_settings(renders: dict[str, Rendered]) -> None:
+    """A policy per model: one --model-routing each, sorted by name; the unit's command line is
+    one `llmhost gateway` takes, with the settings the inventory gave."""
+    from llmhost.gateway.cli import build_parser, settings
+
+    case = renders["routing per model"]
+    assert case.run.rc == 0, case.run.output
+    unit = case.read("unit")
+    assert ("  --routing least_loaded \\\n  --model-routing embed=round_robin \\\n"
+            "  --model-routing tiny=cache_aware \\\n  --routing-prefix-chars 2048 \\\n"
+            "  --routing-load-factor 1.5 \\\n  --routing-session-user \\\n") in unit, unit
+    argv = _exec_start(unit)
+    assert argv[0].endswith("/bin/llmhost") and argv[1] == "gateway", argv
+    config = settings(build_parser().parse_args(argv[2:]))
+    assert config.models == ["tiny", "embed", "qwen"]
+    assert config.routing_policy == "least_loaded"
+    assert config.model_routing == {"embed": "round_robin", "tiny": "cache_aware"}
+    assert (config.routing_prefix_chars, config.routing_load_factor, config.routing_session_user) == (2048, 1.5, True)
+    assert config.routing.policy_of("qwen") == "least_loaded" and config.routing.policy_of("embed") == "round_robin"
+
+
+def test_role_and_gateway_agree_on_the_routing_policies() -> None:
+    from llmhost.gateway.routing import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, POLICIES
+
+    role_vars = load_yaml(REPO / "roles" / "gateway" / "vars" / "main.yml")
+    assert role_vars["_gateway_routing_policies"] == list(POLICIES)
+    options = load_yaml(REPO / "roles" / "gateway" / "meta" / "argument_specs.yml")["argument_specs"]["main"]["options"]
+    assert options["gateway_routing"]["choices"] == list(POLICIES)
+    defaults = load_yaml(REPO / "roles" / "gateway" / "defaults" / "main.yml")
+    assert (defaults["gateway_routing"], defaults["gateway_routing_prefix_chars"],
+            defaults["gateway_routing_load_factor"]) == (DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, DEFAULT_LOAD_FACTOR)

@@ -139,7 +139,7 @@ def _triton_ready(c: Converged) -> bool:
 def test_requests_through_one_gateway_are_served_by_both_hosts(pair: Pair):
     _wait_for("both upstreams up", lambda: _upstream_up(pair) == {pair.b_upstream: 1.0, pair.a_upstream: 1.0})
     before = {"a": _served(pair.a), "b": _served(pair.b)}
-    # Concurrent requests: least outstanding first sends the second of two at once elsewhere.
+    # 24 prompts of their own: cache-aware routing (the default) spreads their keys over both hosts.
     with ThreadPoolExecutor(8) as ex:
         answers = list(ex.map(lambda i: _completion(pair, f"request {i}:", max_tokens=32), range(24)))
     assert [r.status_code for r in answers] == [200] * 24, [r.text for r in answers if r.status_code != 200]

@@ -76,6 +76,8 @@ class ServeOptions:
     # Triton instance kind and GPUs; None: llmhost.server.placement's rule (the roles' too).
     kind: str | None = None
     gpus: list[int] | None = None
+    # Model instances (replicas), as the roles' instance_count: one engine each.
+    instance_count: int = 1
     # A multi_lora.json copied beside model.json as it is (llmhost.backend.lora).
     multi_lora: Path | None = None
 
@@ -98,7 +100,7 @@ def model_entry(opts: ServeOptions, device: str) -> dict[str, Any]:
     if opts.max_model_len:
         engine["max_model_len"] = opts.max_model_len
     engine.update(opts.engine_args)
-    wanted: dict[str, Any] = {"name": opts.name, "engine_args": engine}
+    wanted: dict[str, Any] = {"name": opts.name, "engine_args": engine, "instance_count": opts.instance_count}
     if opts.kind is not None:
         wanted["kind"] = opts.kind
     if opts.gpus is not None:

