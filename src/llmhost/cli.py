@@ -151,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--duration", type=float, help="seconds per level instead of a request count")
     b.add_argument("--prompt-words", type=_range, default=(64, 64), metavar="N[-M]")
     b.add_argument("--output-tokens", type=_range, default=(128, 128), metavar="N[-M]")
+    b.add_argument("--shared-prefixes", type=int, default=0, metavar="N",
+                   help="each prompt starts with one of N shared prefixes (a cache-aware router's workload; "
+                        "--client vllm: vLLM's prefix_repetition dataset); default 0: none")
+    b.add_argument("--prefix-words", type=int, default=0, metavar="N",
+                   help="words of each shared prefix (--client vllm: tokens), before the prompt's own "
+                        "--prompt-words")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS")
     b.add_argument("--processes", type=_positive, default=1, metavar="N",
@@ -217,6 +223,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.requests is not None and args.requests < 1:
         print("llmhost bench: --requests must be >= 1", file=sys.stderr)
         return 2
+    if args.shared_prefixes < 0 or args.prefix_words < 0 or bool(args.shared_prefixes) != bool(args.prefix_words):
+        print("llmhost bench: --shared-prefixes N and --prefix-words N go together, each >= 1", file=sys.stderr)
+        return 2
     if args.client == "vllm":
         return _bench_vllm(args)
     workload = Workload(
@@ -224,6 +233,7 @@ def _bench(args: argparse.Namespace) -> int:
         prompt_words=args.prompt_words[0], prompt_words_max=args.prompt_words[1],
         output_tokens=args.output_tokens[0], output_tokens_max=args.output_tokens[1],
         seed=args.seed, ignore_eos=not args.no_ignore_eos,
+        shared_prefixes=args.shared_prefixes, prefix_words=args.prefix_words,
     )
     api_key = None
     if args.api_key_file is not None:
@@ -270,7 +280,8 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     levels = []
     for concurrency in args.concurrency:
         argv = client_argv(args.url, args.model, args.tokenizer, concurrency, args.requests, args.prompt_words[0],
-                           args.output_tokens[0], args.seed, not args.no_ignore_eos, args.kind)
+                           args.output_tokens[0], args.seed, not args.no_ignore_eos, args.kind,
+                           args.shared_prefixes, args.prefix_words)
         levels.append(summarize(concurrency, run_level(argv, api_key)))
     print(table(levels))
     if args.json:

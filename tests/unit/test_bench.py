@@ -229,3 +229,27 @@ def test_an_openai_base_url_is_taken_with_or_without_v1(kind, url, expected):
     from llmhost.bench.loadgen import Target
 
     assert Target(kind, url, "m").url == expected
+
+
+def test_shared_prefixes_start_every_prompt_and_client_processes_share_them():
+    w = Workload(prompt_words=5, seed=3, shared_prefixes=4, prefix_words=50)
+    items = w.items(12)
+    prefixes = w.prefixes()
+    assert len(prefixes) == 4 and len(set(prefixes)) == 4
+    assert all(len(p.split()) == 52 for p in prefixes)  # "Context i:" and 50 words
+    for i, (prompt, _) in enumerate(items):
+        head, _, own = prompt.partition("\n")
+        assert head == prefixes[i % 4] and len(own.split()) == 5
+    assert len({p for p, _ in items}) == 12  # each prompt's own words differ
+    # A second client process: its own words, the same prefixes.
+    other = part_workload(w, 1, 0, 1, 1)
+    assert other.prefixes() == prefixes and other.items(4) != w.items(4)
+    assert Workload(seed=4, shared_prefixes=4, prefix_words=50).prefixes() != prefixes
+    assert Workload(prompt_words=5).prefixes() == []
+
+
+def test_bench_refuses_half_a_shared_prefix_workload(capsys: pytest.CaptureFixture[str]):
+    from llmhost.cli import main
+
+    assert main(["bench", "--shared-prefixes", "8"]) == 2
+    assert "--shared-prefixes N and --prefix-words N go together" in capsys.readouterr().err

@@ -66,3 +66,16 @@ def test_summary_reads_vllms_keys():
     assert (level.completed, level.failed, level.output_tokens_per_s) == (10, 1, 123.4)
     assert level.ttft_ms == {"median": 5.0, "p99": 9.0} and level.itl_ms == {"median": 1.5, "p99": 3.0}
     assert level.tokens_per_event == 1.0
+
+
+def test_shared_prefixes_use_vllms_prefix_repetition_dataset():
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(client_argv("http://gw:18080/v1", "tiny", "/models/tiny", 64, 256, 200, 128,
+                                         shared_prefixes=32, prefix_len=2000))
+    assert args.dataset_name == "prefix_repetition"
+    assert (args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len) == (2000, 200, 32, 128)

@@ -40,14 +40,28 @@ class Workload:
     output_tokens_max: int | None = None
     seed: int = 0
     ignore_eos: bool = True
+    # Shared prefixes (a cache-aware router's workload, as vLLM's prefix_repetition):
+    # request i's prompt is prefix i mod SHARED_PREFIXES (PREFIX_WORDS words), then its
+    # own prompt words. The prefixes come from PREFIX_SEED (None: seed), which client
+    # processes share while their own words differ.
+    shared_prefixes: int = 0
+    prefix_words: int = 0
+    prefix_seed: int | None = None
+
+    def prefixes(self) -> list[str]:
+        rng = random.Random(f"prefixes {self.seed if self.prefix_seed is None else self.prefix_seed}")
+        return [" ".join([f"Context {i}:", *(rng.choice(WORDS) for _ in range(self.prefix_words))])
+                for i in range(self.shared_prefixes)]
 
     def items(self, n: int) -> list[tuple[str, int]]:
         rng = random.Random(self.seed)
+        prefixes = self.prefixes()
         out = []
-        for _ in range(n):
+        for i in range(n):
             words = rng.randint(self.prompt_words, self.prompt_words_max or self.prompt_words)
             tokens = rng.randint(self.output_tokens, self.output_tokens_max or self.output_tokens)
-            out.append((" ".join(rng.choice(WORDS) for _ in range(words)), tokens))
+            prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+            out.append((f"{prefixes[i % len(prefixes)]}\n{prompt}" if prefixes else prompt, tokens))
         return out
 
 
@@ -321,7 +335,8 @@ def part_workload(workload: Workload, index: int, offset: int, share: int, concu
     requests = workload.requests
     if workload.duration_s is None:
         requests = sum(shares(workload.requests, concurrency)[offset:offset + share])
-    return replace(workload, seed=workload.seed + index, requests=requests)
+    prefix_seed = workload.seed if workload.prefix_seed is None else workload.prefix_seed
+    return replace(workload, seed=workload.seed + index, requests=requests, prefix_seed=prefix_seed)
 
 
 def _cpu_s() -> float:

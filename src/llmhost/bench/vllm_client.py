@@ -42,15 +42,25 @@ TRITON_BACKEND = "llmhost-triton-generate"
 
 
 def client_argv(base_url: str, model: str, tokenizer: str, concurrency: int, requests: int, input_len: int,
-                output_len: int, seed: int = 0, ignore_eos: bool = True, kind: str = "openai") -> list[str]:
+                output_len: int, seed: int = 0, ignore_eos: bool = True, kind: str = "openai",
+                shared_prefixes: int = 0, prefix_len: int = 0) -> list[str]:
     """`vllm bench serve`'s arguments for one level against BASE_URL (``/v1`` is taken off):
-    OpenAI's /v1/completions, or for KIND ``http`` Triton's generate_stream."""
+    OpenAI's /v1/completions, or for KIND ``http`` Triton's generate_stream. Random
+    prompts of INPUT_LEN tokens or, with SHARED_PREFIXES, vLLM's prefix_repetition
+    dataset: that many prefixes of PREFIX_LEN tokens, each prompt one of them and a
+    suffix of INPUT_LEN tokens."""
     backend, endpoint = ("openai", "/v1/completions") if kind == "openai" else (
         TRITON_BACKEND, f"/v2/models/{model}/generate_stream")
+    if shared_prefixes:
+        dataset = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(prefix_len),
+                   "--prefix-repetition-suffix-len", str(input_len), "--prefix-repetition-num-prefixes",
+                   str(shared_prefixes), "--prefix-repetition-output-len", str(output_len)]
+    else:
+        dataset = ["--dataset-name", "random", "--random-input-len", str(input_len),
+                   "--random-output-len", str(output_len)]
     argv = ["--backend", backend, "--base-url", base_url.rstrip("/").removesuffix("/v1"),
             "--endpoint", endpoint, "--model", model, "--served-model-name", model,
-            "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_len),
-            "--random-output-len", str(output_len), "--max-concurrency", str(concurrency),
+            "--tokenizer", tokenizer, *dataset, "--max-concurrency", str(concurrency),
             "--num-prompts", str(requests), "--seed", str(seed), "--percentile-metrics", "ttft,itl",
             "--metric-percentiles", "50,99", "--save-detailed", "--disable-tqdm"]
     return [*argv, "--ignore-eos"] if ignore_eos else argv
