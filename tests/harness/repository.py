@@ -5,10 +5,12 @@ server leaves behind (its processes, /dev/shm segments)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -69,9 +71,38 @@ def add_model(server: Server, name: str, params: dict[str, str] | None = None,
     return dst
 
 
+# A load that has not answered in this long hit Triton 24.10's stub-launch hang
+# (docs/testing.md): its loading thread waits for a stub that initialised and waits on.
+STUCK_LOAD_S = 300
+
+
 def load(server: Server, name: str) -> requests.Response:
-    return requests.post(f"{server.http}/v2/repository/models/{name}/load", headers=admin_headers(server),
-                         timeout=LOAD_TIMEOUT_S)
+    """Load NAME. A load stuck in Triton's stub-launch hang (no answer in STUCK_LOAD_S)
+    is ended by killing that model's stub and its engine, which fails the launch, and
+    tried once more; it says so on standard error."""
+    url = f"{server.http}/v2/repository/models/{name}/load"
+    try:
+        return requests.post(url, headers=admin_headers(server), timeout=STUCK_LOAD_S)
+    except requests.ReadTimeout:
+        stubs = [p for p in server.descendants() if _is_stub_of(p, name)]
+        print(f"repository.load: {name} did not load in {STUCK_LOAD_S} s (Triton's stub-launch hang); "
+              f"killing its stub(s) {[p.pid for p in stubs]} and loading it again", file=sys.stderr, flush=True)
+        for stub in stubs:
+            for proc in [*stub.children(recursive=True), stub]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
+        wait_until(lambda: index(server).get(name, {}).get("state") != "LOADING", 120)
+        return requests.post(url, headers=admin_headers(server), timeout=LOAD_TIMEOUT_S)
+
+
+def _is_stub_of(proc: psutil.Process, name: str) -> bool:
+    """Whether PROC is the python backend stub of a model NAME (its model.py's path names it)."""
+    try:
+        cmdline = proc.cmdline()
+    except psutil.Error:
+        return False
+    return bool(cmdline) and "triton_python_backend_stub" in cmdline[0] and any(
+        f"/{name}/" in arg for arg in cmdline[1:2])
 
 
 def unload(server: Server, name: str) -> requests.Response:
