@@ -54,6 +54,9 @@ def _gateway_traffic(srv: Server) -> int:
     return asyncio.run(traffic())
 
 
+DRAIN_S = 60
+
+
 def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: Path):
     """After the gateway's traffic, with a client holding an idle keep-alive HTTP
     connection, a stream in flight when SIGTERM comes completes, the model unloads
@@ -61,7 +64,8 @@ def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: P
     each finished gRPC call, Triton 2.51 kept a reference to the model, spent its
     whole exit timeout waiting for it and exited 1; it did the same for the idle
     connection until serve closed it once the model had drained (llmhost.server.stopserver)."""
-    srv = start_server(tiny_model, tmp_path)
+    # A drain of 60 s (the harness gives 20): 300 tokens on two loaded cores took over 20 s.
+    srv = start_server(tiny_model, tmp_path, extra=["--drain-timeout", str(DRAIN_S)])
     assert _gateway_traffic(srv) == 160
     keep_alive = requests.Session()  # a pooled connection, idle through the stop
     assert keep_alive.get(f"{srv.http}/v2/health/ready", timeout=30).status_code == 200
@@ -76,7 +80,7 @@ def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: P
                 "return_num_output_tokens": True}
         lines = []
         with requests.post(f"{srv.http}/v2/models/{srv.name}/generate_stream", json=body, stream=True,
-                           timeout=120) as r:
+                           timeout=DRAIN_S + 120) as r:
             for line in r.iter_lines(chunk_size=1, decode_unicode=True):
                 if line:
                     lines.append(line)
@@ -86,7 +90,7 @@ def test_sigterm_drains_streams_and_leaves_nothing(tiny_model: Path, tmp_path: P
     t = threading.Thread(target=client)
     t.start()
     assert started.wait(timeout=120), "the stream never started"
-    rc = srv.stop(signal.SIGTERM)
+    rc = srv.stop(signal.SIGTERM, timeout_s=DRAIN_S + 120)
     t.join(timeout=60)
     assert rc == 0, srv.log_tail()
     log = srv.log.read_text(errors="replace")
