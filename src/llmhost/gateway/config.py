@@ -54,6 +54,7 @@ keys file (see ``keys``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -155,8 +156,9 @@ class GatewayConfig:
     routing_load_factor: float = DEFAULT_LOAD_FACTOR
     routing_session_user: bool = False
 
-    @property
+    @cached_property
     def routing(self) -> RoutingSettings:
+        """The routing settings as one value (made once: every request reads them)."""
         return RoutingSettings(self.routing_policy, dict(self.model_routing), self.routing_prefix_chars,
                                self.routing_load_factor, self.routing_session_user)
 
