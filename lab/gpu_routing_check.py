@@ -265,6 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.28)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--prefix-requests", type=int, default=0,
+                    help="requests a prefix run sends (0: max(256, 4 x concurrency)); many requests a prefix "
+                         "measure the steady state rather than each prefix's first, cold computation")
+    ap.add_argument("--kv-cache-gib", type=float, default=0.0,
+                    help="each replica's KV cache in GiB (vLLM's kv_cache_memory_bytes; 0: what "
+                         "--gpu-memory-utilization leaves): sized so one replica holds part of the prefix set "
+                         "and the fleet all of it")
+    ap.add_argument("--skip", action="append", default=[], metavar="POLICY:WORKLOAD",
+                    help="runs left out, e.g. least_loaded:prefix (repeatable)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/routing-work"))
     args = ap.parse_args(argv)
     t_start = time.monotonic()
@@ -286,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
                          capture_output=True, text=True).stdout.strip()
     engine: dict[str, Any] = {"served_model_name": NAME, "max_model_len": args.max_model_len,
                               "gpu_memory_utilization": args.gpu_memory_utilization, "enable_prefix_caching": True}
+    if args.kv_cache_gib:
+        engine["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
+    skip = {tuple(x.split(":", 1)) for x in args.skip}
+
+    def requests_of(workload: str, c: int) -> int:
+        return args.prefix_requests if workload == "prefix" and args.prefix_requests else requests_for(c)
     input_len = args.prefix_len + args.suffix_len
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "vllm": vllm.__version__, "gpu": gpu,
@@ -303,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                      "prefix": {"dataset": "prefix_repetition", "prefix_len": args.prefix_len,
                                 "suffix_len": args.suffix_len, "num_prefixes": args.num_prefixes},
                      "random": {"dataset": "random", "input_len": input_len},
-                     "requests": {str(c): requests_for(c) for _, c in PLAN}},
+                     "requests": {f"{w}:{c}": requests_of(w, c) for w, c in PLAN},
+                     "skipped_runs": sorted(":".join(x) for x in skip)},
         "acceptance_goals": list(ACCEPTANCE), "runs": [], "order": [], "skipped": []}
 
     def save() -> None:
@@ -428,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
                 for workload, c in PLAN:
                     seed = seed_of(rnd, index)
                     index += 1
-                    run = measure(policy, workload, c, rnd, seed, requests_for(c), args.output_len)
+                    if (policy, workload) in skip:
+                        continue
+                    run = measure(policy, workload, c, rnd, seed, requests_of(workload, c), args.output_len)
                     res["runs"].append(run)
                     log(f"round {rnd + 1} {policy:12} {workload:6} c={c:<3} seed {seed}: "
                         f"{run['output_tokens_per_s']:8.0f} tok/s  TTFT p50 {run['ttft_ms']['median']:8.1f} ms  "
