@@ -12,6 +12,7 @@ from llmhost.gateway.errors import invalid, unsupported
 from llmhost.gateway.images import MAX_IMAGES, RemoteImage, image_part
 from llmhost.gateway.openai_models import (
     MAX_EMBEDDING_INPUTS,
+    REFUSED,
     UNSUPPORTED_COMMON,
     ChatCompletionRequest,
     ChatMessage,
@@ -26,7 +27,7 @@ from llmhost.gateway.routing import Route
 PASSED = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
           "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
           "skip_special_tokens", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-          "guided_grammar")
+          "guided_grammar", "logit_bias", "bad_words", "allowed_token_ids", "spaces_between_special_tokens")
 # Chat fields passed to the backend under the same name when given (vLLM's).
 CHAT_PASSED = ("chat_template_kwargs", "reasoning_effort", "include_reasoning")
 # vLLM's ways to ask for structured output besides response_format.
@@ -66,6 +67,8 @@ class BackendRequest:
     images: list[str | RemoteImage] = field(default_factory=list)
     # Where the gateway sends it (llmhost.gateway.routing); never sent upstream.
     route: Route | None = None
+    # Streamed with include_usage: every chunk carries the usage so far, not only the last.
+    continuous_usage: bool = False
 
     @property
     def choices(self) -> int:
@@ -95,7 +98,7 @@ def _validation_error(exc: ValidationError, within: tuple[str, ...] = ()) -> Exc
     loc = within + tuple(p for p in err["loc"] if p not in _UNION_TAGS)
     param = _param(loc) or None
     if err["type"] == "extra_forbidden":
-        return unsupported(param or "?", "is not a known field")
+        return unsupported(param or "?", REFUSED.get(param or "", "is not a known field"))
     if err["type"] == "missing":
         return invalid(f"missing required field '{param}'", param, "missing_required_parameter")
     return invalid(f"invalid value for '{param}': {err['msg']}", param, "invalid_value")
@@ -104,7 +107,7 @@ def _validation_error(exc: ValidationError, within: tuple[str, ...] = ()) -> Exc
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     for name in UNSUPPORTED_COMMON:
         if name in body and body[name] not in (None, False):
-            raise unsupported(name)
+            raise unsupported(name, REFUSED[name])
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -318,6 +321,7 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
     if req.stream_options is not None and not req.stream:
         raise invalid("'stream_options' is only allowed with stream: true", "stream_options")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous_usage = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
     logprobs = _logprobs(req)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
@@ -356,4 +360,5 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
                           user=req.user, logprobs=logprobs,
                           echo=text_input if isinstance(req, CompletionRequest) and req.echo else None,
                           prompt_token_ids=prompt_token_ids, batch=batch,
-                          prompt_logprobs=req.prompt_logprobs is not None, images=images)
+                          prompt_logprobs=req.prompt_logprobs is not None, images=images,
+                          continuous_usage=continuous_usage)

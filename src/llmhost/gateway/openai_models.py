@@ -5,16 +5,62 @@ value."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 # Fields of OpenAI's (or vLLM's) API that exist but are not served here.
-UNSUPPORTED_COMMON = ("logit_bias", "suffix", "best_of", "functions", "function_call", "audio",
+UNSUPPORTED_COMMON = ("suffix", "best_of", "functions", "function_call", "audio",
                       "modalities", "prediction", "store", "metadata", "service_tier", "web_search_options",
                       "use_beam_search")
 
+# Fields of vLLM's OpenAI server that this gateway refuses, and why (the 400 says it).
+_BEAM = "is not served: beam search is not served"
+_ENGINE = "is not served: it reaches into vLLM's engine past the backend"
+_RETURN = "is not served: the answer carries what OpenAI's API carries, not this extra"
+_TOOLS = "is not served: use tools and tool_choice"
+_MEDIA = "is not served: text and images only"
+_HOSTED = "is not served: a feature of OpenAI's hosted service"
+REFUSED: dict[str, str] = {
+    "use_beam_search": _BEAM, "best_of": _BEAM, "length_penalty": _BEAM,
+    "suffix": "is not served: no fill-in-the-middle",
+    "functions": _TOOLS, "function_call": _TOOLS, "audio": _MEDIA, "modalities": _MEDIA,
+    "prediction": _HOSTED, "store": _HOSTED, "metadata": _HOSTED, "service_tier": _HOSTED,
+    "web_search_options": _HOSTED,
+    "truncate_prompt_tokens": "is not served: a prompt longer than the context is refused, never cut",
+    "truncation_side": "is not served: a prompt longer than the context is refused, never cut",
+    "logprob_token_ids": "is not served: ask logprobs/top_logprobs",
+    "prompt_embeds": "is not served: send text or token ids",
+    "watermarking": _ENGINE, "thinking_token_budget": _ENGINE, "repetition_detection": _ENGINE,
+    "vllm_xargs": _ENGINE, "kv_transfer_params": _ENGINE, "ec_transfer_params": _ENGINE, "priority": _ENGINE,
+    "cache_salt": _ENGINE, "routed_experts_prompt_start": _ENGINE,
+    "stream_interval": "is not served: a stream follows the model's stream_interval_ms setting",
+    "request_id": "is not served: the gateway names each request itself",
+    "session_id": "is not served: send the x-session-id header to keep a session on one replica",
+    "return_tokens_as_token_ids": _RETURN, "return_token_ids": _RETURN, "return_token_offsets": _RETURN,
+    "return_prompt_text": _RETURN, "mm_payload": _RETURN, "return_mm_kwargs": _RETURN,
+    "add_generation_prompt": "is not served: the chat template always adds the generation prompt",
+    "continue_final_message": "is not served: the chat template always adds the generation prompt",
+    "add_special_tokens": "is not served: the prompt is tokenized as vLLM's server does by default",
+    "documents": "is not served: pass what the template reads in chat_template_kwargs",
+    "chat_template": "is not served: the model's own chat template is used",
+    "media_io_kwargs": "is not served: images are read as the backend reads them",
+    "mm_processor_kwargs": "is not served: images are read as the backend reads them",
+}
+
 Number = float
+# Token ids: no vocabulary comes near the top (the backend's bound); vLLM checks the
+# model's vocabulary.
+TOKEN_ID_MAX = 2**31 - 1
+TokenId = Annotated[StrictInt, Field(ge=0, le=TOKEN_ID_MAX)]
+# OpenAI's range of a logit bias (vLLM's server clamps to it; we refuse beyond it).
+LOGIT_BIAS_MIN, LOGIT_BIAS_MAX = -100.0, 100.0
+# The backend's bounds (llmhost.backend.limits), checked here first so that the answer
+# names the field.
+MAX_LOGIT_BIAS = 1024
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_CHARS = 1024
+MAX_ALLOWED_TOKEN_IDS = 262_144
 
 
 class _Strict(BaseModel):
@@ -23,6 +69,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = None
+    # vLLM's: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: StrictBool | None = None
 
 
 class _Schema(_Strict):
@@ -114,6 +162,32 @@ class _Sampling(_Strict):
     guided_grammar: str | None = None
     # vLLM's: the prompt tokens' log probabilities (and the top k more), not streamed.
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    # Token id (as a string, OpenAI's form) -> a bias added to its logit before sampling.
+    logit_bias: dict[str, StrictFloat] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's: words the output must not contain; the only tokens it may contain.
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    spaces_between_special_tokens: StrictBool | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= TOKEN_ID_MAX):
+                raise ValueError(f"key {key[:32]!r} is not a token id (a decimal integer from 0 to {TOKEN_ID_MAX})")
+            if not LOGIT_BIAS_MIN <= bias <= LOGIT_BIAS_MAX:
+                raise ValueError(f"the bias of token {key} is {bias}; a bias is from {LOGIT_BIAS_MIN:g} "
+                                 f"to {LOGIT_BIAS_MAX:g}")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, value: list[str] | None) -> list[str] | None:
+        for i, word in enumerate(value or ()):
+            if not word or len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"item {i} is {len(word)} characters long; a bad word is 1 to "
+                                 f"{MAX_BAD_WORD_CHARS} characters")
+        return value
 
 
 # vLLM's default bound on the top log probabilities per token (its max_logprobs).

@@ -266,8 +266,16 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
     # Completions' echo: the prompt's text comes with each completion's first chunk.
     unechoed = [req.echo if req.echo else None] * req.choices
     head, tail = _envelope(chunk(req, rid, created, []))
+
+    def framed(choices: list[dict[str, Any]]) -> bytes:
+        if req.continuous_usage:  # as vLLM's server: every chunk with the usage so far
+            return sse(chunk(req, rid, created, choices, usage(acc.num_input, acc.num_output), final_usage=True))
+        return head + _encode(choices).encode() + tail
+
     if req.chat:
-        yield sse(chunk(req, rid, created, [_choice(req, i, "", None, role=True) for i in range(req.choices)]))
+        if first is not None and acc.num_input is None:
+            acc.num_input = first.num_input_tokens  # the role chunk's usage: the prompt's alone
+        yield framed([_choice(req, i, "", None, role=True) for i in range(req.choices)])
     try:
         pieces: list[Piece] = [first] if first is not None else []
         while True:
@@ -282,7 +290,7 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
             deltas = _deltas(piece, req.choices) if req.chat else None
             if deltas is not None:
                 for choices in _parsed_rounds(req, piece, deltas, finished, added, acc, before, logprobs):
-                    yield head + _encode(choices).encode() + tail
+                    yield framed(choices)
                 continue
             choices = []
             for i in range(req.choices):
@@ -300,7 +308,7 @@ async def stream_chunks(req: BackendRequest, first: Piece | None, rest: AsyncIte
                     choices.append(_choice(req, i, text if text or not req.chat else None, reason,
                                            logprobs=logprobs.of(added[i], i)))
             if choices:
-                yield head + _encode(choices).encode() + tail
+                yield framed(choices)
     except ApiError as exc:
         yield sse(exc.body())
         yield DONE
