@@ -36,6 +36,7 @@ from llmhost.gateway.native import NativeApi
 from llmhost.gateway.pool import PoolSettings, UpstreamPool
 from llmhost.gateway.record import Observer, RequestMiddleware, RequestRecord, record_of
 from llmhost.gateway.responses import Accumulator, completion_body, new_id, stream_chunks
+from llmhost.gateway.responses_api import ResponsesApi
 from llmhost.gateway.routing import CACHE_AWARE, SESSION_HEADER, prompt_key_text, route_key
 from llmhost.gateway.routing import Route as RequestRoute
 from llmhost.gateway.upstream import Piece, Upstream
@@ -272,6 +273,7 @@ def create_app(config: GatewayConfig, keys: KeyStore, upstream: Any = None, metr
     pool = make_pool(config, upstream, metrics.engine_line if metrics is not None else None)
     gw = Gateway(config, keys, pool, limiter)
     native = NativeApi(gw)
+    responses_api = ResponsesApi(gw, lambda req, request, rec: _counted(gw._pieces(req, request), rec), _estimate)
     observers: list[Observer] = []
     if metrics is not None:
         metrics.watch_pool(pool)
@@ -296,6 +298,7 @@ def create_app(config: GatewayConfig, keys: KeyStore, upstream: Any = None, metr
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),
         Route("/v1/embeddings", gw.embeddings, methods=["POST"]),
+        Route("/v1/responses", responses_api.create, methods=["POST"]),
         *native.routes(),
         *AdminApi(gw).routes(),
     ]
