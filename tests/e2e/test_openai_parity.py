@@ -9,6 +9,7 @@ from typing import Any
 
 import openai
 import pytest
+import requests
 
 from tests.harness.gateway import KEY, keyed_gateway, openai_client, stop_gateway
 from tests.harness.net import CLIENT_TIMEOUT_S
@@ -259,3 +260,121 @@ def test_n_streamed_and_a_seed_match_vllm_serve(ours, theirs, server):
     one = {"model": server.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 1234,
            "extra_body": {"ignore_eos": True}}
     assert ours.completions.create(**one).choices[0].text == theirs.completions.create(**one).choices[0].text
+
+
+def _token_ids(client: openai.OpenAI, **kw: Any) -> tuple[str, list[int]]:
+    """A completion's text and its tokens' ids (vLLM's server names them 'token_id:N')."""
+    extra = {**kw.pop("extra_body", {}), "return_tokens_as_token_ids": True}
+    out = client.completions.create(**kw, logprobs=0, extra_body=extra)
+    return out.choices[0].text, [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+
+
+def test_logit_bias_bad_words_and_allowed_token_ids_match_vllm_serve(ours, theirs, server, tiny_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    kw: dict[str, Any] = {"model": server.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                          "extra_body": {"ignore_eos": True}}
+    free, free_ids = _token_ids(theirs, **kw)
+    # +100 on one token the free answer never picks: every token is that one.
+    forced = next(t for t in tokenizer.encode(" hello world") if t not in free_ids)
+    biased = {**kw, "logit_bias": {str(forced): 100}}
+    text, ids = _token_ids(theirs, **biased)
+    assert ids == [forced] * 8 and ours.completions.create(**biased).choices[0].text == text == tokenizer.decode(ids)
+    # Only two tokens allowed: the answer holds no other.
+    allowed = sorted(set(tokenizer.encode(" x = 1")))[:2]
+    only = {**kw, "extra_body": {**kw["extra_body"], "allowed_token_ids": allowed}}
+    text, ids = _token_ids(theirs, **only)
+    assert set(ids) <= set(allowed) and ours.completions.create(**only).choices[0].text == text
+    # A word of the free answer, banned: the answer changes, as vLLM's does.
+    word = tokenizer.decode([free_ids[0]]).strip() or tokenizer.decode([free_ids[1]]).strip()
+    banned = {**kw, "extra_body": {**kw["extra_body"], "bad_words": [word]}}
+    mine = ours.completions.create(**banned).choices[0].text
+    assert mine == theirs.completions.create(**banned).choices[0].text and mine != free, (word, mine, free)
+    # On chat too, streamed and not.
+    chat: dict[str, Any] = {"model": server.name, "messages": [{"role": "user", "content": PROMPT}],
+                            "max_tokens": 6, "temperature": 0, "logit_bias": {str(forced): 100},
+                            "extra_body": {"ignore_eos": True, "bad_words": [word]}}
+    said = ours.chat.completions.create(**chat).choices[0].message.content
+    assert said == theirs.chat.completions.create(**chat).choices[0].message.content == tokenizer.decode([forced] * 6)
+    streamed = "".join(c.choices[0].delta.content or "" for c in ours.chat.completions.create(stream=True, **chat)
+                       if c.choices)
+    assert streamed == said
+
+
+@pytest.mark.parametrize("field", ["logit_bias", "allowed_token_ids"])
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_the_field_as_in_vllm(ours, theirs, server, field):
+    outside = 10 ** 6  # the tiny model has 4,096 tokens
+    extra = {"logit_bias": {str(outside): 5}} if field == "logit_bias" else {"allowed_token_ids": [1, outside]}
+    kw: dict[str, Any] = {"model": server.name, "prompt": PROMPT, "max_tokens": 4, "extra_body": extra}
+    for client in (ours, theirs):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(**kw)
+        assert field in str(info.value) and "Traceback" not in str(info.value), info.value
+    # The server goes on serving.
+    assert ours.completions.create(model=server.name, prompt=PROMPT, max_tokens=2).choices[0].text is not None
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_continuous_usage_stats_on_every_chunk_as_vllm_serve(ours, theirs, server, chat):
+    kw: dict[str, Any] = {"model": server.name, "max_tokens": 6, "temperature": 0, "stream": True,
+                          "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                          "extra_body": {"ignore_eos": True}}
+
+    def usages(client: openai.OpenAI) -> list[tuple[int, int, int]]:
+        call = client.chat.completions.create if chat else client.completions.create
+        more = {"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT}
+        chunks = list(call(**kw, **more))
+        assert all(c.usage is not None for c in chunks), chunks
+        return [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) for c in chunks]
+
+    mine, vllms = usages(ours), usages(theirs)
+    assert mine[-1] == vllms[-1] and mine[-1][1] == 6, (mine, vllms)
+    assert [u[1] for u in mine] == sorted(u[1] for u in mine) and all(u[0] == vllms[0][0] for u in mine), mine
+
+
+def _post(client: openai.OpenAI, path: str, body: dict[str, Any], key: str | None = KEY) -> requests.Response:
+    """POST to a server's own path beside /v1 (vLLM's /tokenize and /detokenize)."""
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return requests.post(root + path, json=body, headers=headers, timeout=CLIENT_TIMEOUT_S)
+
+
+def test_tokenize_and_detokenize_match_vllm_serve_and_round_trip(ours, theirs, server):
+    chat = {"model": server.name, "messages": [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": PROMPT}]}
+    for body in ({"model": server.name, "prompt": PROMPT, "return_token_strs": True},
+                 {"model": server.name, "prompt": "héllo wörld \u2603"}, chat, {**chat, "return_token_strs": True}):
+        mine, vllms = _post(ours, "/tokenize", body), _post(theirs, "/tokenize", body, key="unused")
+        assert mine.status_code == vllms.status_code == 200, (mine.text, vllms.text)
+        assert mine.json() == vllms.json(), (body, mine.json(), vllms.json())
+        tokens = mine.json()["tokens"]
+        back = _post(ours, "/detokenize", {"model": server.name, "tokens": tokens})
+        assert back.json() == _post(theirs, "/detokenize", {"model": server.name, "tokens": tokens}, "unused").json()
+        if "prompt" in body:
+            assert back.json() == {"prompt": body["prompt"]}
+    # The chat's count is the prompt_tokens of that chat's completion.
+    done = ours.chat.completions.create(**chat, max_tokens=1)
+    assert done.usage.prompt_tokens == _post(ours, "/tokenize", chat).json()["count"]
+
+
+def test_tokenize_needs_a_key_and_a_model_of_its_scope(ours, server, tmp_path):
+    from llmhost.gateway.keys import hash_key
+
+    for path, body in (("/tokenize", {"model": server.name, "prompt": PROMPT}),
+                       ("/detokenize", {"model": server.name, "tokens": [1, 2]})):
+        assert _post(ours, path, body, key=None).status_code == 401
+        missing = _post(ours, path, {**body, "model": "no-such-model"})
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+        bad = _post(ours, path, {**body, "tokens": [10 ** 6]} if path == "/detokenize" else {**body, "prompt": 5})
+        assert bad.status_code == 400 and "Traceback" not in bad.text, bad.text
+    # A key scoped to another model: this one does not exist to it, as on chat.
+    keys = tmp_path / "scoped-keys.yml"
+    keys.write_text(f"keys:\n  - name: scoped\n    sha256: {hash_key(KEY)}\n    models: [other]\n")
+    scoped = keyed_gateway(server, tmp_path, "--keys-file", str(keys))
+    try:
+        client = openai.OpenAI(base_url=scoped.url, api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S)
+        assert _post(client, "/tokenize", {"model": server.name, "prompt": PROMPT}).status_code == 404
+        assert _post(client, "/detokenize", {"model": server.name, "tokens": [1]}).status_code == 404
+    finally:
+        stop_gateway(scoped.proc, scoped.log)

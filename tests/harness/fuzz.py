@@ -37,7 +37,8 @@ KNOWN = ["temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_to
          "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
          "bad_words", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
          "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
-         "exclude_input_in_output", "choice", "regex", "json_schema", "structured_outputs", "bogus_key"]
+         "exclude_input_in_output", "choice", "regex", "json_schema", "structured_outputs",
+         "spaces_between_special_tokens", "tokenize", "detokenize", "bogus_key"]
 small_max_tokens = st.one_of(st.integers(-3, 6), st.sampled_from(["4", "x", 2.5, None, True, [1]]))
 # JSON nested around the depth bound (100), and far beyond it.
 deep_json = st.one_of(st.integers(95, 105), st.sampled_from([1000, 100_000])).flatmap(

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llmhost.backend import limits
 from llmhost.backend.config import BackendSettings
@@ -172,3 +174,44 @@ def test_without_continuous_usage_only_the_last_chunk_counts():
     events = _events(req, [Piece(["He"], ["None"], 3, [1], False), Piece(["llo"], ["length"], None, [1], True)])
     assert [e["usage"] for e in events[:-2]] == [None, None, None]
     assert events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_docs_have_a_row_for_every_field_of_vllms_requests():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    table = text[text.index("| field | on | status |"):text.index("**Embeddings.**")]
+    documented = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+    for vllm_model, _ in _vllm_requests():
+        missing = sorted(set(vllm_model.model_fields) - documented)
+        assert not missing, f"docs/api.md's request fields table lacks {missing}"
+
+
+# --- fuzzed bodies: mapped, or a 4xx naming a field; never another error -----------------
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False,
+                     allow_infinity=False), st.text(max_size=8), st.sampled_from(["12", "-1", "1e3", "4095"]))
+_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3)
+                       | st.dictionaries(st.one_of(st.text(max_size=5), st.sampled_from(["1", "99", "x"])), inner,
+                                         max_size=3), max_leaves=8)
+_FIELDS = ["logit_bias", "bad_words", "allowed_token_ids", "spaces_between_special_tokens", "stream",
+           "stream_options", "truncate_prompt_tokens", "priority", "request_id", "max_tokens"]
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(fields=st.dictionaries(st.sampled_from(_FIELDS), _values, max_size=4), chat=st.booleans(),
+       usage=st.fixed_dictionaries({}, optional={"include_usage": _values, "continuous_usage_stats": _values}))
+def test_fuzzed_bodies_are_mapped_or_a_4xx_naming_a_field(fields, chat, usage):
+    if "stream_options" in fields and isinstance(fields["stream_options"], dict):
+        fields["stream_options"] = {**fields["stream_options"], **usage}
+    try:
+        req = _map(chat, **fields)
+    except ApiError as err:
+        assert 400 <= err.status < 500 and err.param, err.body()
+        assert "Traceback" not in err.message and 'File "' not in err.message, err.body()
+        return
+    for name in ("logit_bias", "bad_words", "allowed_token_ids"):
+        if fields.get(name) is not None:
+            # Whatever the gateway passes, the backend's table takes.
+            validate_sampling(json.loads(json.dumps({name: req.sampling[name]})), BackendSettings())

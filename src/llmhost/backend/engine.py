@@ -34,6 +34,7 @@ from llmhost.backend.prompts import (
 )
 from llmhost.backend.replies import ChatParsing
 from llmhost.backend.request import GenerateJob, RequestLimits, client_label
+from llmhost.backend.tokens import tokens_answer
 from llmhost.backend.watchdog import (
     WATCH_INTERVAL_S,
     EngineWatch,
@@ -637,6 +638,11 @@ class EngineRunner:
             # As vLLM's server: a chat that hides the thinking (include_reasoning false) on a
             # model with a tool or reasoning parser gets no per-token log probabilities,
             # whose token texts would show it.
+            if job.tokens is not None:  # the tokenizer's answer alone (llmhost.backend.tokens)
+                ids = await self._prompt_ids(job)
+                answer = tokens_answer(job, ids, self._tokenizer, self._max_model_len)
+                sink.send(Chunk([answer], ["stop"], len(ids), [0], final=True))
+                return
             hidden = (not job.include_reasoning and job.messages is not None and self._chat is not None
                       and self._chat.parser_cls is not None)
             want_logprobs = job.return_logprobs and job.sampling.get("logprobs") is not None and not hidden

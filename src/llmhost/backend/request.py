@@ -38,6 +38,11 @@ STREAM_INTERVAL = "stream_interval_ms"
 # sets it): an embedding model (engine_args runner: pooling) answers every request with
 # one, a model that generates text refuses it.
 EMBED = "embed"
+# The request parameters that ask for the tokenizer's answer alone, no generation (the
+# gateway's /tokenize and /detokenize set them; llmhost.backend.tokens): the prompt's
+# token ids ('text_input' or 'messages'), or the text of 'prompt_token_ids'.
+TOKENIZE = "tokenize"
+DETOKENIZE = "detokenize"
 BOOL_INPUTS = (STREAM, EXCLUDE_INPUT, *RETURN_FLAGS)
 MAX_MESSAGES = 1024
 # A chat message's keys: OpenAI's, with an assistant's tool calls and a tool result's id.
@@ -123,6 +128,9 @@ class GenerateJob:
     prompt_token_ids: list[int] | None = None
     # The request parameter EMBED: the client wants an embedding, not generated text.
     embed: bool = False
+    # The request parameter TOKENIZE or DETOKENIZE (its name): the tokenizer answers, the engine
+    # never sees the request.
+    tokens: str | None = None
     # A chat's tools (OpenAI's function tools), tool_choice and parallel_tool_calls, as
     # parse_tools checked them; None: not given.
     tools: list[dict[str, Any]] | None = None
@@ -454,6 +462,14 @@ def parse_request(
             flags.setdefault(name, value)
     sparse = _pop_bool(params, SPARSE_OUTPUTS) or False
     embed = _pop_bool(params, EMBED) or False
+    asked = [name for name in (TOKENIZE, DETOKENIZE) if _pop_bool(params, name)]
+    if len(asked) > 1:
+        raise RequestError(f"give '{TOKENIZE}' or '{DETOKENIZE}', not both")
+    tokens = asked[0] if asked else None
+    if tokens == DETOKENIZE and ids is None:
+        raise RequestError(f"'{DETOKENIZE}' needs the token ids in '{PROMPT_TOKEN_IDS}'")
+    if tokens == TOKENIZE and ids is not None:
+        raise RequestError(f"'{TOKENIZE}' needs 'text_input' or 'messages', not '{PROMPT_TOKEN_IDS}'")
     interval = stream_interval(params.pop(STREAM_INTERVAL)) if STREAM_INTERVAL in params else None
     stream = flags.get(STREAM, False)
     if stream and flags.get(EXCLUDE_INPUT) is False:
@@ -491,6 +507,7 @@ def parse_request(
         images=images,
         prompt_token_ids=ids,
         embed=embed,
+        tokens=tokens,
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,

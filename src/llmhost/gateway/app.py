@@ -39,6 +39,7 @@ from llmhost.gateway.responses import Accumulator, completion_body, new_id, stre
 from llmhost.gateway.responses_api import ResponsesApi
 from llmhost.gateway.routing import CACHE_AWARE, SESSION_HEADER, prompt_key_text, route_key
 from llmhost.gateway.routing import Route as RequestRoute
+from llmhost.gateway.tokenize import TokenizeApi
 from llmhost.gateway.upstream import Piece, Upstream
 
 # The backend's default max_tokens: the tokens-per-minute estimate of a request
@@ -299,6 +300,7 @@ def create_app(config: GatewayConfig, keys: KeyStore, upstream: Any = None, metr
         Route("/v1/completions", gw.completions, methods=["POST"]),
         Route("/v1/embeddings", gw.embeddings, methods=["POST"]),
         Route("/v1/responses", responses_api.create, methods=["POST"]),
+        *TokenizeApi(gw).routes(),
         *native.routes(),
         *AdminApi(gw).routes(),
     ]

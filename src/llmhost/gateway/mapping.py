@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from llmhost.gateway.errors import invalid, unsupported
 from llmhost.gateway.images import MAX_IMAGES, RemoteImage, image_part
 from llmhost.gateway.openai_models import (
     MAX_EMBEDDING_INPUTS,
     REFUSED,
+    TOKENIZE_DEFAULTS,
     UNSUPPORTED_COMMON,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
     NamedToolChoice,
     ResponseFormat,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
 )
 from llmhost.gateway.routing import Route
+
+M = TypeVar("M", bound=BaseModel)
 
 # Sampling fields passed to the backend under the same name when given.
 PASSED = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -69,6 +75,8 @@ class BackendRequest:
     route: Route | None = None
     # Streamed with include_usage: every chunk carries the usage so far, not only the last.
     continuous_usage: bool = False
+    # "tokenize" or "detokenize": the backend's tokenizer answers alone (llmhost.gateway.tokenize).
+    tokens: str | None = None
 
     @property
     def choices(self) -> int:
@@ -362,3 +370,48 @@ def to_backend(req: ChatCompletionRequest | CompletionRequest, cap: int | None =
                           prompt_token_ids=prompt_token_ids, batch=batch,
                           prompt_logprobs=req.prompt_logprobs is not None, images=images,
                           continuous_usage=continuous_usage)
+
+
+def _validated(body: dict[str, Any], model: type[M]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def parse_tokenize(raw: bytes) -> tuple[BackendRequest, bool]:
+    """A /tokenize body (a prompt, or a chat's messages) -> the backend request that asks
+    its tokenizer alone, and whether the token strings were asked for."""
+    body = _json_object(raw)
+    chat = "messages" in body
+    req: TokenizeChatRequest | TokenizeCompletionRequest = _validated(
+        body, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+    for name, defaults in TOKENIZE_DEFAULTS.items():
+        value, default = getattr(req, name, None), defaults[1 if chat else 0]
+        if value is not None and value != default:
+            raise unsupported(name, f"is served at vLLM's default only ({str(default).lower()}), as a "
+                                    "generation request's prompt is tokenized")
+    sampling: dict[str, Any] = {}
+    messages = text_input = None
+    if isinstance(req, TokenizeCompletionRequest):
+        text_input = req.prompt
+    else:
+        images: list[str | RemoteImage] = []
+        messages = [_message(m, i, images) for i, m in enumerate(req.messages)]
+        if images:
+            raise unsupported("messages", "with images is not tokenized here: send text parts")
+        if req.tools:
+            # The tools reach the chat template, as in a chat that calls none.
+            sampling.update(tools=[tool.model_dump(exclude_none=True) for tool in req.tools], tool_choice="none")
+        if req.chat_template_kwargs is not None:
+            sampling["chat_template_kwargs"] = req.chat_template_kwargs
+    out = BackendRequest(model=req.model, text_input=text_input, messages=messages, sampling=sampling,
+                         stream=False, n=1, include_usage=False, chat=chat, tokens="tokenize")
+    return out, bool(req.return_token_strs)
+
+
+def parse_detokenize(raw: bytes) -> BackendRequest:
+    """A /detokenize body -> the backend request that asks its tokenizer for the text of the ids."""
+    req = _validated(_json_object(raw), DetokenizeRequest)
+    return BackendRequest(model=req.model, text_input=None, messages=None, sampling={}, stream=False, n=1,
+                          include_usage=False, chat=False, prompt_token_ids=list(req.tokens), tokens="detokenize")

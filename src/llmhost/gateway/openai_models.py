@@ -233,3 +233,33 @@ class CompletionRequest(_Sampling):
     # The prompt's text before the completion's.
     echo: StrictBool | None = None
     response_format: ResponseFormat | None = None
+
+
+# vLLM's server's /tokenize and /detokenize bodies (its TokenizeCompletionRequest,
+# TokenizeChatRequest and DetokenizeRequest). The tokenizer switches are served at
+# vLLM's defaults only, which are how a generation request's prompt is tokenized here.
+TOKENIZE_DEFAULTS = {"add_special_tokens": (True, False), "add_generation_prompt": (None, True),
+                     "continue_final_message": (None, False)}
+
+
+class TokenizeCompletionRequest(_Strict):
+    model: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    add_special_tokens: StrictBool | None = None
+    return_token_strs: StrictBool | None = None
+
+
+class TokenizeChatRequest(_Strict):
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
+    add_special_tokens: StrictBool | None = None
+    return_token_strs: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+
+
+class DetokenizeRequest(_Strict):
+    model: str = Field(min_length=1)
+    tokens: list[TokenId] = Field(min_length=1)

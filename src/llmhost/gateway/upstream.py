@@ -113,6 +113,8 @@ def socket_request(req: BackendRequest, request_id: str) -> bytes:
         inputs["image"] = req.images
     inputs.update(dict.fromkeys(backend_flags(req), True))
     params: dict[str, Any] = {"sparse_outputs": True, "embed": True} if req.embed else {"sparse_outputs": True}
+    if req.tokens is not None:
+        params[req.tokens] = True
     line = {"inputs": inputs, "parameters": params, "id": request_id}
     return json.dumps(line, separators=(",", ":")).encode("utf-8", "surrogatepass") + b"\n"
 
@@ -142,6 +144,8 @@ def build_request(req: BackendRequest, request_id: str) -> Any:
     msg.parameters["sparse_outputs"].bool_param = True
     if req.embed:
         msg.parameters["embed"].bool_param = True
+    if req.tokens is not None:
+        msg.parameters[req.tokens].bool_param = True
     tensors: list[tuple[str, str, bytes, int]] = []
     name, value = prompt_input(req)
     if isinstance(value, list):
