@@ -617,6 +617,11 @@ class EngineRunner:
         metrics = self.metrics
         counts: list[int] = []  # output tokens of each completion, as sent to the sink
         try:
+            if job.tokens is not None:  # the tokenizer's answer alone (llmhost.backend.tokens)
+                ids = await self._prompt_ids(job)
+                answer = tokens_answer(job, ids, self._tokenizer, self._max_model_len)
+                sink.send(Chunk([answer], ["stop"], len(ids), [0], final=True))
+                return
             replies = None
             if self._chat is not None and not (self._pooling or job.embed):
                 replies = self._chat.replies(job, int(job.sampling.get("n") or 1))
@@ -638,11 +643,6 @@ class EngineRunner:
             # As vLLM's server: a chat that hides the thinking (include_reasoning false) on a
             # model with a tool or reasoning parser gets no per-token log probabilities,
             # whose token texts would show it.
-            if job.tokens is not None:  # the tokenizer's answer alone (llmhost.backend.tokens)
-                ids = await self._prompt_ids(job)
-                answer = tokens_answer(job, ids, self._tokenizer, self._max_model_len)
-                sink.send(Chunk([answer], ["stop"], len(ids), [0], final=True))
-                return
             hidden = (not job.include_reasoning and job.messages is not None and self._chat is not None
                       and self._chat.parser_cls is not None)
             want_logprobs = job.return_logprobs and job.sampling.get("logprobs") is not None and not hidden
