@@ -168,3 +168,15 @@ def test_bad_reasoning_switches_are_400_naming_them(ours, extra, needle):
     with pytest.raises(openai.BadRequestError) as err:
         ours.chat.completions.create(**KW, extra_body=extra)
     assert needle in err.value.body["message"], err.value.body
+
+
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(ours):
+    reasoning, content = _said(ours.chat.completions.create(**KW).choices[0].message)
+    kw = {"model": "thinker", "input": MESSAGES[0]["content"], "temperature": 0, "max_output_tokens": 16}
+    resp = ours.responses.create(**kw)
+    assert reasoning and resp.output[0].type == "reasoning", resp.output
+    assert resp.output[0].content[0].text == reasoning
+    assert resp.output_text == (content or "")
+    events = list(ours.responses.create(stream=True, **kw))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (content or "")
