@@ -1,11 +1,26 @@
 """Property-based fuzzing of a local `llmhost serve` (tests/harness/fuzz.py): 2,000
 generated requests per endpoint over HTTP /generate and gRPC (500 over
-/generate_stream), and 100 clients disconnecting mid-stream."""
+/generate_stream), and 100 clients disconnecting mid-stream; and of a gateway's
+POST /v1/responses in front of it (RESPONSES_EXAMPLES bodies)."""
 
 from __future__ import annotations
 
-from tests.harness.fuzz import disconnect_mid_stream, fuzz_grpc, fuzz_http_generate, fuzz_http_generate_stream
+import pytest
+
+from tests.harness.fuzz import (
+    assert_healthy,
+    disconnect_mid_stream,
+    fuzz_gateway_responses,
+    fuzz_grpc,
+    fuzz_http_generate,
+    fuzz_http_generate_stream,
+)
+from tests.harness.gateway import KEY, keyed_gateway, stop_gateway
 from tests.harness.server import Server
+
+# The gateway's /v1/responses bodies: fewer than the backend's, as a third of them
+# generate tokens through the whole path.
+RESPONSES_EXAMPLES = 300
 
 
 def test_fuzz_http_generate(server: Server) -> None:
@@ -22,3 +37,13 @@ def test_fuzz_grpc(server: Server) -> None:
 
 def test_100_clients_disconnecting_mid_stream(server: Server) -> None:
     disconnect_mid_stream(server, clients=100)
+
+
+def test_fuzz_gateway_responses(server: Server, tmp_path_factory: pytest.TempPathFactory) -> None:
+    gateway = keyed_gateway(server, tmp_path_factory.mktemp("fuzz-responses"),
+                            "--engine-sockets", f"{server.grpc}={server.engine_sockets}")
+    try:
+        fuzz_gateway_responses(gateway.url, KEY, server.name, RESPONSES_EXAMPLES)
+    finally:
+        stop_gateway(gateway.proc, gateway.log)
+    assert_healthy(server)

@@ -255,3 +255,87 @@ def assert_healthy(server: Endpoint) -> None:
     r = requests.post(f"{server.http}/v2/models/{server.name}/generate",
                       json={"text_input": "ok", "max_tokens": 2, "return_num_output_tokens": True}, timeout=60)
     assert r.status_code == 200 and r.json()["num_output_tokens"] >= 1, r.text
+
+
+# --- the gateway's POST /v1/responses ------------------------------------------------
+
+RESPONSES_FIELDS = ["instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+                    "parallel_tool_calls", "previous_response_id", "reasoning", "text", "store", "include",
+                    "metadata", "truncation", "background", "user", "top_k", "stop", "seed", "bogus_key"]
+_parts = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image", "input_file",
+                                                         7]),
+                                "text": st.one_of(st.text(max_size=20), st.integers())})
+_items = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant", "robot"]),
+                           "content": st.one_of(st.text(max_size=30), st.lists(_parts, max_size=2))},
+                          optional={"type": st.sampled_from(["message", "item_reference", "reasoning"])}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output"]),
+                           "call_id": st.sampled_from(["c1", "c2", ""])},
+                          optional={"name": st.sampled_from(["f", ""]), "arguments": st.sampled_from(["{}", "{", 3]),
+                                    "output": st.one_of(st.text(max_size=10), st.integers())}),
+    json_values,
+)
+_function_tool = st.fixed_dictionaries({"type": st.just("function"), "name": st.sampled_from(["f", "get_time"])},
+                                       optional={"parameters": st.sampled_from([{"type": "object"}, "x", None])})
+
+
+def responses_bodies(model: str) -> st.SearchStrategy[Any]:
+    """/v1/responses bodies for MODEL: valid ones (a few tokens each) and wild ones
+    (junk fields, values and items of every type), as dicts, and raw bytes."""
+    valid = st.fixed_dictionaries(
+        {"model": st.just(model), "input": st.one_of(st.text(min_size=1, max_size=40).filter(str.strip),
+                                                     st.lists(st.fixed_dictionaries(
+                                                         {"role": st.sampled_from(["user", "developer"]),
+                                                          "content": st.text(min_size=1, max_size=30)}),
+                                                         min_size=1, max_size=2)),
+         "max_output_tokens": st.integers(1, 6)},
+        optional={"instructions": st.text(max_size=30), "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1),
+                  "stream": st.booleans(), "tools": st.lists(_function_tool, min_size=1, max_size=2),
+                  "tool_choice": st.sampled_from(["none", "auto"]), "store": st.booleans()})
+    wild = st.fixed_dictionaries(
+        {"model": st.one_of(st.just(model), json_values)},
+        optional={"input": st.one_of(st.lists(_items, max_size=3), json_values, deep_json),
+                  "stream": st.one_of(st.booleans(), st.integers(0, 2)),
+                  "max_output_tokens": small_max_tokens,
+                  **{k: json_values for k in RESPONSES_FIELDS}})
+    raw = st.one_of(deep_json.map(str.encode), st.binary(max_size=40))
+    return st.one_of(valid, wild, raw)
+
+
+def check_responses_answer(status: int, body: str, sent: str) -> str:
+    """One /v1/responses answer: 200 with a response (a stream of events that ends as a
+    response does), or 400/404/413 with OpenAI's error object naming no server internals.
+    Returns "ok" or "error"."""
+    if status != 200:
+        assert status in (400, 404, 413), (status, body[:300])
+        error = json.loads(body)["error"]
+        assert isinstance(error["message"], str) and len(error["message"]) > 5, error
+        assert_no_leak(json.dumps(error), sent)
+        return "error"
+    if body.startswith("event:"):
+        events = [json.loads(line[5:]) for line in body.splitlines() if line.startswith("data:")]
+        assert [e["sequence_number"] for e in events] == list(range(len(events))), body[:300]
+        assert events[0]["type"] == "response.created", events[0]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete", "error"), events[-1]
+        return "ok"
+    answer = json.loads(body)
+    assert answer["object"] == "response" and answer["status"] in ("completed", "incomplete"), answer
+    return "ok"
+
+
+def fuzz_gateway_responses(url: str, key: str, model: str, examples: int) -> dict[str, int]:
+    """EXAMPLES generated bodies to a gateway's /v1/responses (URL: its /v1 base)."""
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {key}"
+    seen = {"ok": 0, "error": 0}
+
+    @settings(FUZZ, max_examples=examples)
+    @given(body=responses_bodies(model))
+    def one(body: Any) -> None:
+        sent = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = session.post(f"{url}/responses", data=sent, timeout=60)
+        seen[check_responses_answer(r.status_code, r.text, sent_text(sent, body))] += 1
+
+    one()
+    assert seen["ok"] > 10 and seen["error"] > 10, seen
+    return seen

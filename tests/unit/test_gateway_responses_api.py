@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmhost.gateway.errors import ApiError
@@ -18,6 +19,7 @@ from llmhost.gateway.mapping import BackendRequest
 from llmhost.gateway.metrics import GatewayMetrics
 from llmhost.gateway.responses_api import parse_request, to_chat
 from llmhost.gateway.upstream import Piece
+from tests.harness.fuzz import FUZZ, check_responses_answer, responses_bodies, sent_text
 from tests.unit._gateway_fakes import KEY, Fake, client, keystore, make_app
 
 CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
@@ -290,3 +292,24 @@ def test_a_translation_error_is_an_api_error():
     with pytest.raises(ApiError) as err:
         _mapped(input=[{"type": "function_call_output", "call_id": "x", "output": "y"}])
     assert err.value.status == 400
+
+
+def test_fuzzed_bodies_get_an_answer_or_a_clear_error():
+    """Generated bodies (tests/harness/fuzz.py's, which the e2e fuzz sends to the real
+    gateway): a response, or a 400/404 naming no server internals; never a 500."""
+    app = make_app(Fake(), config=None)
+    seen = {"ok": 0, "error": 0}
+
+    async def post(sent: bytes) -> httpx.Response:
+        async with client(app) as c:
+            return await c.post("/v1/responses", content=sent)
+
+    @settings(FUZZ, max_examples=400)
+    @given(body=responses_bodies("m"))
+    def one(body: Any) -> None:
+        sent = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = asyncio.run(post(sent))
+        seen[check_responses_answer(r.status_code, r.text, sent_text(sent, body))] += 1
+
+    one()
+    assert seen["ok"] > 20 and seen["error"] > 20, seen
