@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefix-words", type=int, default=0, metavar="N",
                    help="words of each shared prefix (--client vllm: tokens), before the prompt's own "
                         "--prompt-words")
+    b.add_argument("--turns", type=_positive, default=1, metavar="N",
+                   help="multi-turn chat (--kind openai): conversations of N turns, each turn sent to "
+                        "/v1/chat/completions with the history so far and the conversation's x-session-id; "
+                        "with --shared-prefixes the system prompts are the prefixes (default 1: single prompts)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS")
     b.add_argument("--processes", type=_positive, default=1, metavar="N",
@@ -226,6 +230,10 @@ def _bench(args: argparse.Namespace) -> int:
     if args.shared_prefixes < 0 or args.prefix_words < 0 or bool(args.shared_prefixes) != bool(args.prefix_words):
         print("llmhost bench: --shared-prefixes N and --prefix-words N go together, each >= 1", file=sys.stderr)
         return 2
+    if args.turns > 1 and (args.kind != "openai" or args.client != "llmhost"):
+        print("llmhost bench: --turns needs --kind openai and llmhost's own client (--client llmhost)",
+              file=sys.stderr)
+        return 2
     if args.client == "vllm":
         return _bench_vllm(args)
     workload = Workload(
@@ -233,7 +241,7 @@ def _bench(args: argparse.Namespace) -> int:
         prompt_words=args.prompt_words[0], prompt_words_max=args.prompt_words[1],
         output_tokens=args.output_tokens[0], output_tokens_max=args.output_tokens[1],
         seed=args.seed, ignore_eos=not args.no_ignore_eos,
-        shared_prefixes=args.shared_prefixes, prefix_words=args.prefix_words,
+        shared_prefixes=args.shared_prefixes, prefix_words=args.prefix_words, turns=args.turns,
     )
     api_key = None
     if args.api_key_file is not None:

@@ -127,3 +127,32 @@ def test_cache_aware_routing_reaches_the_ideal_hit_rate_and_beats_round_robin(
     print(f"fleet prefix-cache hit rate: cache_aware {aware:.3f} (ideal {ideal:.3f}), round_robin {spread:.3f}")
     assert 0.9 * ideal <= aware <= ideal + 0.01, (aware, ideal)
     assert aware >= spread + 0.15, (aware, spread)
+
+
+def test_multi_turn_bench_pins_each_conversation_by_its_session(replicas: Server, tmp_path: Path) -> None:
+    """`llmhost bench --turns 3` through the gateway: every turn resends its history with
+    the conversation's x-session-id, and the gateway routes each by that session."""
+    import json
+    import subprocess
+    import sys
+
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    gw = _gateway(replicas, tmp_path)
+    try:
+        out = tmp_path / "bench.json"
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "llmhost"), "bench", "--kind", "openai", "--url", gw.url,
+             "--model", replicas.name, "--api-key-file", str(key_file), "--turns", "3", "--concurrency", "2",
+             "--requests", "6", "--prompt-words", "12", "--output-tokens", "4", "--quiet", "--json", str(out)],
+            capture_output=True, text=True, timeout=300)
+        metrics = httpx.get(gw.metrics, timeout=30).text
+    finally:
+        stop_gateway(gw.proc, gw.log)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (level,) = json.loads(out.read_text())["levels"]
+    assert (level["requests"], level["errors"]) == (6, 0), level
+    decided = dict(re.findall(r'llmhost_gateway_routing_decisions_total\{model="tiny",reason="(\w+)"\} ([0-9.]+)',
+                              metrics))
+    # The warm-up request has no session; the six turns of two conversations do.
+    assert float(decided["session"]) == 6, decided

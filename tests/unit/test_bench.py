@@ -253,3 +253,70 @@ def test_bench_refuses_half_a_shared_prefix_workload(capsys: pytest.CaptureFixtu
 
     assert main(["bench", "--shared-prefixes", "8"]) == 2
     assert "--shared-prefixes N and --prefix-words N go together" in capsys.readouterr().err
+
+
+# --- multi-turn chat (`llmhost bench --turns N`) -------------------------------------
+
+def test_conversations_take_their_system_prompt_from_the_shared_prefixes():
+    w = Workload(prompt_words=3, seed=5, shared_prefixes=2, prefix_words=10, turns=3)
+    conversations = w.conversations(4)
+    prefixes = w.prefixes()
+    assert [c.system for c in conversations] == [prefixes[0], prefixes[1], prefixes[0], prefixes[1]]
+    assert all(len(c.turns) == 3 for c in conversations)
+    texts = [t for c in conversations for t, _ in c.turns]
+    assert len(set(texts)) == len(texts) and all(len(t.split()) == 3 for t in texts)
+    assert all(c.system is None for c in Workload(prompt_words=3, turns=2).conversations(2))
+
+
+class _ChatRecorder:
+    """Stands in for a Target: records each turn's history and session, replies with
+    the turn's number (the NTH reply fails when FAIL_AT is N)."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.calls: list[tuple[list[dict[str, str]], str | None]] = []
+        self.fail_at = fail_at
+
+    async def one(self, prompt: str, max_tokens: int, ignore_eos: bool,
+                  history: list[dict[str, str]] | None = None, session: str | None = None) -> Sample:
+        assert history is not None and history[-1] == {"role": "user", "content": prompt}
+        self.calls.append((history, session))
+        if len(self.calls) == self.fail_at:
+            return Sample(ok=False, error="HTTP 503")
+        return Sample(ok=True, ttft=0.01, e2e=0.02, tokens=max_tokens, text=f"reply {len(self.calls)}")
+
+
+def test_each_turn_resends_the_history_with_the_conversations_session():
+    import asyncio
+
+    from llmhost.bench.loadgen import run_part
+
+    w = Workload(requests=7, prompt_words=2, output_tokens=4, shared_prefixes=1, prefix_words=5, turns=3)
+    fake = _ChatRecorder()
+    part = asyncio.run(run_part(fake, w, concurrency=1, progress=False))  # type: ignore[arg-type]
+    assert len(part.samples) == 7 and all(s.ok for s in part.samples)
+    sessions = [s for _, s in fake.calls]
+    assert sessions == ["bench-0-0"] * 3 + ["bench-0-1"] * 3 + ["bench-0-2"]
+    third, fourth = fake.calls[2][0], fake.calls[3][0]
+    assert [m["role"] for m in third] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in third if m["role"] == "assistant"] == ["reply 1", "reply 2"]
+    assert [m["role"] for m in fourth] == ["system", "user"]  # a new conversation starts over
+
+
+def test_a_failed_turn_ends_its_conversation():
+    import asyncio
+
+    from llmhost.bench.loadgen import run_part
+
+    fake = _ChatRecorder(fail_at=2)
+    part = asyncio.run(run_part(fake, Workload(requests=4, prompt_words=2, turns=3), concurrency=1,  # type: ignore[arg-type]
+                                progress=False))
+    assert [s.ok for s in part.samples] == [True, False, True, True]
+    assert [s for _, s in fake.calls] == ["bench-0-0", "bench-0-0", "bench-0-1", "bench-0-1"]
+
+
+@pytest.mark.parametrize("argv", [["--turns", "2"], ["--turns", "2", "--kind", "openai", "--client", "vllm"]])
+def test_bench_refuses_turns_without_the_openai_chat_client(argv: list[str], capsys: pytest.CaptureFixture[str]):
+    from llmhost.cli import main
+
+    assert main(["bench", *argv]) == 2
+    assert "--turns needs --kind openai" in capsys.readouterr().err

@@ -4,6 +4,10 @@ Targets: our Triton endpoint over HTTP SSE (`/generate_stream`) or gRPC streamin
 and any OpenAI-compatible server (`/v1/completions`, e.g. vLLM's own) for
 side-by-side runs. Output tokens are counted from what the server reports
 (`num_output_tokens`, or OpenAI's `usage.completion_tokens`), never from events.
+With `turns` > 1 (OpenAI servers only) a worker holds conversations instead: each
+turn goes to `/v1/chat/completions` with the whole history so far (the system prompt,
+the earlier user turns and the model's own replies) and the conversation's
+`x-session-id` header, as a chat application resends it; a request is a turn.
 
 `processes` > 1 spreads each level's concurrency over that many client processes
 (one asyncio loop each), so that one Python process's CPU does not cap what a fast
@@ -47,6 +51,9 @@ class Workload:
     shared_prefixes: int = 0
     prefix_words: int = 0
     prefix_seed: int | None = None
+    # Multi-turn chat: TURNS user turns a conversation, its system prompt the shared
+    # prefix of its index (none without shared prefixes).
+    turns: int = 1
 
     def prefixes(self) -> list[str]:
         rng = random.Random(f"prefixes {self.seed if self.prefix_seed is None else self.prefix_seed}")
@@ -64,6 +71,22 @@ class Workload:
             out.append((f"{prefixes[i % len(prefixes)]}\n{prompt}" if prefixes else prompt, tokens))
         return out
 
+    def conversations(self, n: int) -> list[Conversation]:
+        """N conversations of TURNS turns, each turn's words and reply length as items()
+        draws them; conversation i's system prompt is shared prefix i mod SHARED_PREFIXES."""
+        prefixes = self.prefixes()
+        bare = Workload(prompt_words=self.prompt_words, prompt_words_max=self.prompt_words_max,
+                        output_tokens=self.output_tokens, output_tokens_max=self.output_tokens_max, seed=self.seed)
+        turns = bare.items(n * self.turns)
+        return [Conversation(prefixes[i % len(prefixes)] if prefixes else None,
+                             tuple(turns[i * self.turns:(i + 1) * self.turns])) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    system: str | None
+    turns: tuple[tuple[str, int], ...]  # (user text, reply tokens) a turn
+
 
 @dataclass
 class Sample:
@@ -75,6 +98,8 @@ class Sample:
     # Streamed events that carried output (SSE events, gRPC responses): with `tokens`,
     # how the server streamed (one token an event, or several grouped or merged).
     events: int = 0
+    # The reply's text (chat turns: the next turn's history holds it).
+    text: str = ""
 
     @property
     def itl(self) -> float | None:
@@ -166,28 +191,35 @@ class Target:
         if self._grpc is not None:
             await self._grpc.close()
 
-    async def one(self, prompt: str, max_tokens: int, ignore_eos: bool) -> Sample:
+    async def one(self, prompt: str, max_tokens: int, ignore_eos: bool,
+                  history: list[dict[str, str]] | None = None, session: str | None = None) -> Sample:
+        """One streamed request: PROMPT, or (OpenAI chat) the HISTORY of messages with
+        SESSION as its x-session-id."""
         t0 = time.perf_counter()
         try:
             if self.kind == "grpc":
                 return await self._grpc_one(t0, prompt, max_tokens, ignore_eos)
-            return await self._http_one(t0, prompt, max_tokens, ignore_eos)
+            return await self._http_one(t0, prompt, max_tokens, ignore_eos, history, session)
         except Exception as exc:  # noqa: BLE001 - every failure is a counted error
             return Sample(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
 
-    async def _http_one(self, t0: float, prompt: str, max_tokens: int, ignore_eos: bool) -> Sample:
+    async def _http_one(self, t0: float, prompt: str, max_tokens: int, ignore_eos: bool,
+                        history: list[dict[str, str]] | None = None, session: str | None = None) -> Sample:
+        headers = {"x-session-id": session} if session else None
+        text: list[str] = []
         if self.kind == "openai":
-            url = f"{self.url}/v1/completions"
-            body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            url = f"{self.url}/v1/completions" if history is None else f"{self.url}/v1/chat/completions"
+            body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens,
                                     "stream": True, "ignore_eos": ignore_eos, "temperature": 1.0,
                                     "stream_options": {"include_usage": True}}
+            body.update({"prompt": prompt} if history is None else {"messages": history})
         else:
             url = f"{self.url}/v2/models/{self.model}/generate_stream"
             body = {"text_input": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": ignore_eos,
                     "temperature": 1.0, "return_num_output_tokens": True}
         ttft = 0.0
         tokens = events = 0
-        async with self._session.post(url, json=body) as resp:
+        async with self._session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
                 return Sample(ok=False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
             async for raw in resp.content:
@@ -206,14 +238,17 @@ class Target:
                     usage = event.get("usage")
                     if usage:
                         tokens = int(usage["completion_tokens"])
-                    events += bool(event.get("choices"))  # the usage-only chunk carries no output
+                    choices = event.get("choices")
+                    events += bool(choices)  # the usage-only chunk carries no output
+                    if history is not None and choices:
+                        text.append(choices[0].get("delta", {}).get("content") or "")
                 else:
                     counts = event.get("num_output_tokens")  # this response's own tokens
                     if counts is not None:
                         tokens += int(counts if isinstance(counts, int) else sum(counts))
                     events += 1
         return Sample(ok=tokens > 0, ttft=ttft, e2e=time.perf_counter() - t0, tokens=tokens, events=events,
-                      error="" if tokens > 0 else "server reported no output tokens")
+                      error="" if tokens > 0 else "server reported no output tokens", text="".join(text))
 
     async def _grpc_one(self, t0: float, prompt: str, max_tokens: int, ignore_eos: bool) -> Sample:
         import numpy as np
@@ -251,29 +286,56 @@ class Target:
 async def run_part(target: Target, workload: Workload, concurrency: int, progress: bool = True) -> LevelPart:
     """Run CONCURRENCY workers of WORKLOAD against TARGET in this process."""
     total = workload.requests if workload.duration_s is None else 10**9
-    items = workload.items(min(total, 100_000))
+    items = workload.items(min(total, 100_000)) if workload.turns == 1 else []
+    conversations = workload.conversations(min(-(-total // workload.turns), 100_000)) if workload.turns > 1 else []
     samples: list[Sample] = []
     next_index = 0
+    next_conversation = 0
     cpu0 = _cpu_s()
     started_at = time.time()
     t0 = time.perf_counter()
     deadline = t0 + workload.duration_s if workload.duration_s else None
 
-    async def worker() -> None:
+    def take() -> bool:
+        """Whether another request may start (and count it)."""
         nonlocal next_index
-        while True:
-            if deadline is not None and time.perf_counter() >= deadline:
-                return
-            if deadline is None and next_index >= workload.requests:
-                return
-            prompt, max_tokens = items[next_index % len(items)]
-            next_index += 1
-            samples.append(await target.one(prompt, max_tokens, workload.ignore_eos))
-            if progress:
-                _progress(concurrency, len(samples), workload.requests if deadline is None else None,
-                          time.perf_counter() - t0)
+        if deadline is not None and time.perf_counter() >= deadline:
+            return False
+        if deadline is None and next_index >= workload.requests:
+            return False
+        next_index += 1
+        return True
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    def done(sample: Sample) -> None:
+        samples.append(sample)
+        if progress:
+            _progress(concurrency, len(samples), workload.requests if deadline is None else None,
+                      time.perf_counter() - t0)
+
+    async def worker() -> None:
+        while take():
+            prompt, max_tokens = items[(next_index - 1) % len(items)]
+            done(await target.one(prompt, max_tokens, workload.ignore_eos))
+
+    async def talker() -> None:
+        nonlocal next_conversation
+        while True:
+            index = next_conversation
+            next_conversation += 1
+            conversation = conversations[index % len(conversations)]
+            history = [{"role": "system", "content": conversation.system}] if conversation.system else []
+            for text, max_tokens in conversation.turns:
+                if not take():
+                    return
+                history.append({"role": "user", "content": text})
+                sample = await target.one(text, max_tokens, workload.ignore_eos, history=list(history),
+                                          session=f"bench-{workload.seed}-{index}")
+                done(sample)
+                if not sample.ok:
+                    break
+                history.append({"role": "assistant", "content": sample.text})
+
+    await asyncio.gather(*((worker if workload.turns == 1 else talker)() for _ in range(concurrency)))
     elapsed = time.perf_counter() - t0
     if progress:
         print(file=sys.stderr)
