@@ -14,7 +14,7 @@ from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.keys import ApiKey, KeyStore
 from llmhost.gateway.limits import KeyLimiter, RateLimited
 from llmhost.gateway.pool import UpstreamPool
-from llmhost.gateway.record import record_of
+from llmhost.gateway.record import RequestRecord, record_of
 
 _ADMIN_FIELDS = ("target", "state", "held", "outstanding")
 
@@ -31,13 +31,20 @@ class Access:
 
     def auth(self, request: Request) -> ApiKey:
         """The request's API key (401 without a known one), noted in its record."""
-        key = self.keys.authenticate(request.headers.get("authorization"))
-        record_of(request.scope).key = key.name
+        return self.auth_header(request.headers.get("authorization"), record_of(request.scope))
+
+    def auth_header(self, authorization: str | None, rec: RequestRecord) -> ApiKey:
+        """The API key of an Authorization header's value (401 without a known one), noted in REC."""
+        key = self.keys.authenticate(authorization)
+        rec.key = key.name
         return key
 
     async def admit(self, request: Request, key: ApiKey, estimated_tokens: int) -> None:
         """Take the key's limits for this request (429 over one); given back when it ends."""
-        rec = record_of(request.scope)
+        await self.admit_record(record_of(request.scope), key, estimated_tokens)
+
+    async def admit_record(self, rec: RequestRecord, key: ApiKey, estimated_tokens: int) -> None:
+        """Take the key's limits for the request of REC; given back when REC is closed."""
         try:
             if self.shared is not None:
                 lease = await self.shared.admit(key, estimated_tokens)

@@ -307,4 +307,5 @@ def create_app(config: GatewayConfig, keys: KeyStore, upstream: Any = None, metr
     app = Starlette(routes=routes, exception_handlers={404: on_missing, 405: on_missing, Exception: on_error},
                     middleware=[Middleware(RequestMiddleware, observers=observers)])
     app.state.gateway = gw
+    app.state.observers = observers  # for the gRPC door (grpc_door), which runs beside the app
     return app

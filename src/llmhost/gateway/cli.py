@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "their channels use TLS (Triton's --grpc-use-ssl); loopback upstreams stay plaintext")
     p.add_argument("--listen", type=_host_port, metavar="HOST:PORT",
                    help=f"where the gateway listens (default {join_host_port(d.listen)})")
+    p.add_argument("--grpc-listen", type=_host_port, metavar="HOST:PORT",
+                   help="also serve Triton's gRPC API (KServe v2, for tritonclient.grpc) here, with the same "
+                        "keys, limits and TLS (default: not served)")
     p.add_argument("--keys-file", type=Path, metavar="PATH",
                    help="JSON or YAML file of named keys stored as SHA-256 hashes, with optional limits")
     p.add_argument("--model", action="append", metavar="NAME",
@@ -255,6 +258,11 @@ def settings(args: argparse.Namespace) -> GatewayConfig:
         raise ConfigError(f"--listen {join_host_port(config.listen)} without TLS would take API keys and prompts in "
                           "plain HTTP from the network: give --tls-cert and --tls-key, listen on loopback, or "
                           "say --allow-plaintext (allow_plaintext: true)")
+    if (config.grpc_listen is not None and config.tls_cert is None and not is_loopback(config.grpc_listen[0])
+            and not config.allow_plaintext):
+        raise ConfigError(f"--grpc-listen {join_host_port(config.grpc_listen)} without TLS would take API keys and "
+                          "prompts in the clear from the network: give --tls-cert and --tls-key, listen on loopback, "
+                          "or say --allow-plaintext (allow_plaintext: true)")
     if (config.metrics_token_file is None and not is_loopback(config.metrics_listen[0])
             and not config.allow_anonymous_metrics):
         raise ConfigError(f"--metrics-listen {join_host_port(config.metrics_listen)} without a token would show "
@@ -427,6 +435,9 @@ def _say_serving(config: GatewayConfig, keys: int, processes: str) -> None:
           f"{'https' if metrics_tls(config) else 'http'}://{join_host_port(config.metrics_listen)}/metrics"
           f"{' (token)' if config.metrics_token_file is not None else ''}; event loop "
           f"{config.event_loop}; {processes}", file=sys.stderr, flush=True)
+    if config.grpc_listen is not None:
+        print(f"llmhost gateway: Triton's gRPC API on {join_host_port(config.grpc_listen)}"
+              f"{' (TLS)' if config.tls_cert is not None else ''}", file=sys.stderr, flush=True)
 
 
 def supervise_main(config: GatewayConfig, keys: list[ApiKey], argv: list[str], count: int,
@@ -529,9 +540,12 @@ async def _serve(app: Any, metrics: Any, config: GatewayConfig, place: WorkerPla
         beside = _side_server(side_config)
         side = asyncio.ensure_future(beside.serve())
     health = asyncio.ensure_future(pool.run_health_checks())
+    door = await _grpc_door(app, config)
     try:
         await api.serve(sockets=sockets)
     finally:
+        if door is not None:
+            await door.stop(config.drain_timeout_s)
         if beside is not None:
             beside.should_exit = True
         health.cancel()
@@ -543,6 +557,21 @@ async def _serve(app: Any, metrics: Any, config: GatewayConfig, place: WorkerPla
             close = getattr(member.client, "close", None)
             if close is not None:
                 await close()
+
+
+async def _grpc_door(app: Any, config: GatewayConfig) -> Any:
+    """The gRPC door (grpc_door) of APP, started where config.grpc_listen names one;
+    SystemExit(2) when it cannot listen there."""
+    if config.grpc_listen is None:
+        return None
+    from llmhost.gateway.grpc_door import start
+
+    try:
+        return await start(app.state.gateway, app.state.observers, config)
+    except RuntimeError as exc:
+        print(f"llmhost gateway: --grpc-listen {join_host_port(config.grpc_listen)}: cannot listen there: {exc}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ unknown key is refused by name. Relative paths are relative to the file's folder
     upstream_ca: /etc/llmhost/triton-grpc-ca.crt  # --upstream-ca; gRPC over TLS to upstreams off loopback
     models: [tiny]                     # --model (repeat); required, from the file or flags
     listen: "0.0.0.0:18080"            # --listen
+    grpc_listen: "0.0.0.0:18082"       # --grpc-listen; Triton's gRPC API (grpc_door); default: none
     allow_plaintext: false             # --allow-plaintext; plain HTTP on an address other than loopback
     metrics_listen: "127.0.0.1:18081"  # --metrics-listen
     metrics_token_file: /etc/llmhost/metrics-token.sha256  # --metrics-token-file; SHA-256 of /metrics' token
@@ -108,6 +109,8 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     listen: tuple[str, int] = ("127.0.0.1", 18080)
     metrics_listen: tuple[str, int] = ("127.0.0.1", 18081)
+    # Triton's KServe v2 gRPC API (grpc_door), with the API's TLS; None: not served.
+    grpc_listen: tuple[str, int] | None = None
     # A file holding the hex SHA-256 of the token a scrape of /metrics must carry
     # (metrics.metrics_app); None: no token asked for.
     metrics_token_file: Path | None = None
@@ -166,7 +169,8 @@ class GatewayConfig:
 # File key -> (GatewayConfig field, kind); sections hold nested keys.
 _TOP: dict[str, tuple[str, str]] = {
     "upstreams": ("upstreams", "host_ports"), "models": ("models", "names"), "listen": ("listen", "host_port"),
-    "metrics_listen": ("metrics_listen", "host_port"), "keys_file": ("keys_file", "path"),
+    "metrics_listen": ("metrics_listen", "host_port"), "grpc_listen": ("grpc_listen", "host_port"),
+    "keys_file": ("keys_file", "path"),
     "max_body_bytes": ("max_body_bytes", "positive_int"), "drain_timeout_s": ("drain_timeout_s", "positive"),
     "log_level": ("log_level", "log_level"), "event_loop": ("event_loop", "event_loop"),
     "engine_sockets": ("engine_sockets", "socket_dirs"), "allow_plaintext": ("allow_plaintext", "bool"),

@@ -208,7 +208,7 @@ def _join_logprobs(a: str, b: str) -> str:
     return b if x is None else a if y is None else json.dumps([*x, *y])
 
 
-# How _whole joins the outputs of several responses that hold one completion's parts.
+# How whole() joins the outputs of several responses that hold one completion's parts.
 _JOIN: dict[str, Callable[[Any, Any], Any]] = {
     "text_output": lambda a, b: a + b,
     "num_output_tokens": lambda a, b: a + b,
@@ -220,7 +220,7 @@ def _scalar(values: list[Any]) -> Any:
     return values[0] if len(values) == 1 else values
 
 
-class _Counter:
+class Counter:
     """Keeps a request record's token counts from native responses' outputs (each
     response counts its own output tokens; each response is one event of a stream)."""
 
@@ -319,9 +319,9 @@ class NativeApi:
             req = NativeRequest(model, body, key, stream)
             await self.gw.admit(request, key, req.estimate())
             line, msg = req.line(), req.message()
-            counter = _Counter(rec)
-            responses = self._responses(self.gw.pool.stream(model, lambda c: c.native_stream(model, line, msg),
-                                                            self.gw.note_upstream(request)), counter)
+            counter = Counter(rec)
+            responses = counted(self.gw.pool.stream(model, lambda c: c.native_stream(model, line, msg),
+                                                    self.gw.note_upstream(request)), counter)
             if stream:
                 first = await until_disconnect(request, _first(responses))
                 rec.ttft_s = time.monotonic() - rec.start
@@ -333,36 +333,9 @@ class NativeApi:
         except ClientGone:
             return Response(None, 499)
 
-    async def _responses(self, items: AsyncIterator[tuple[str, dict[str, list[Any]]]], counter: _Counter
-                         ) -> AsyncIterator[tuple[str, dict[str, list[Any]]]]:
-        """(model version, outputs) for each response with outputs, counted."""
-        try:
-            async for version, outputs in items:
-                counter.see(outputs)
-                yield version, outputs
-        finally:
-            aclose = getattr(items, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
     async def _whole(self, req: NativeRequest, responses: AsyncIterator[tuple[str, dict[str, list[Any]]]]
                      ) -> dict[str, Any]:
-        """One answer from all responses: per completion, texts and log probabilities
-        joined and output tokens added up; the rest the latest."""
-        merged: dict[str, list[Any]] = {}
-        last: Any = None
-        async for resp, outputs in responses:
-            last = resp
-            for name, values in outputs.items():
-                join = _JOIN.get(name)
-                if join is not None and name in merged:
-                    old = merged[name]
-                    merged[name] = [join(old[i], v) if i < len(old) else v for i, v in enumerate(values)]
-                else:
-                    merged[name] = values
-        if last is None:
-            raise ApiError(500, "the backend sent no response", "server_error", None, "internal_error")
-        return self._body(req, last, merged)
+        return self._body(req, *await whole(responses))
 
     async def _events(self, req: NativeRequest, first: tuple[str, dict[str, list[Any]]] | None,
                       rest: AsyncIterator[tuple[str, dict[str, list[Any]]]]) -> AsyncIterator[bytes]:
@@ -377,6 +350,38 @@ class NativeApi:
             aclose = getattr(rest, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+async def counted(items: AsyncIterator[tuple[str, dict[str, list[Any]]]], counter: Counter
+                  ) -> AsyncIterator[tuple[str, dict[str, list[Any]]]]:
+    """(model version, outputs) for each response with outputs, counted."""
+    try:
+        async for version, outputs in items:
+            counter.see(outputs)
+            yield version, outputs
+    finally:
+        aclose = getattr(items, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def whole(responses: AsyncIterator[tuple[str, dict[str, list[Any]]]]) -> tuple[str, dict[str, list[Any]]]:
+    """One answer from all responses, (model version, outputs): per completion, texts
+    and log probabilities joined and output tokens added up; the rest the latest."""
+    merged: dict[str, list[Any]] = {}
+    last: Any = None
+    async for version, outputs in responses:
+        last = version
+        for name, values in outputs.items():
+            join = _JOIN.get(name)
+            if join is not None and name in merged:
+                old = merged[name]
+                merged[name] = [join(old[i], v) if i < len(old) else v for i, v in enumerate(values)]
+            else:
+                merged[name] = values
+    if last is None:
+        raise ApiError(500, "the backend sent no response", "server_error", None, "internal_error")
+    return last, merged
 
 
 async def _first(responses: AsyncIterator[Any]) -> Any:

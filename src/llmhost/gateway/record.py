@@ -74,8 +74,13 @@ class RequestMiddleware:
                 rec.status = 500
             raise
         finally:
-            rec.duration_s = time.monotonic() - rec.start
-            for cleanup in rec.cleanups:
-                cleanup(rec)
-            for observe in self.observers:
-                observe(rec, scope)
+            close_record(rec, scope, self.observers)
+
+
+def close_record(rec: RequestRecord, scope: Scope, observers: list[Observer]) -> None:
+    """REC's request has ended: its duration, its cleanups run, then every observer."""
+    rec.duration_s = time.monotonic() - rec.start
+    for cleanup in rec.cleanups:
+        cleanup(rec)
+    for observe in observers:
+        observe(rec, scope)
