@@ -97,7 +97,8 @@ BAD: list[tuple[dict[str, Any], str | None]] = [
     (_body(tools=[{"type": "web_search"}]), "tools[0].type"),
     (_body(tools=[{"type": "function", "parameters": {}}]), "tools[0].name"),
     (_body(tools=[{"type": "function", "name": "f", "parameters": "x"}]), "tools[0].parameters"),
-    (_body(tools=[WEATHER], tool_choice={"type": "function", "name": "other"}), "tool_choice.function.name"),
+    (_body(tools=[WEATHER], tool_choice={"type": "function", "name": "other"}), "tool_choice.name"),
+    (_body(tools=[]), "tools"),
     (_body(tool_choice={"type": "file_search"}), "tool_choice.type"),
     (_body(tool_choice="required"), "tool_choice"),
     (_body(previous_response_id="resp_1"), "previous_response_id"),
@@ -266,6 +267,21 @@ def test_an_upstream_refusal_keeps_its_status_when_streamed():
         return 200
 
     assert asyncio.run(run()) == 400
+
+
+class FailsMidway(Fake):
+    """An upstream whose engine fails after the first piece."""
+
+    async def generate(self, req: BackendRequest) -> AsyncIterator[Piece]:
+        self.seen.append(req)
+        yield Piece(["Hel"], ["None"], 3, [1], False)
+        raise ApiError(503, "the model's engine stopped", "service_unavailable_error", None, "engine_dead")
+
+
+def test_an_upstream_failure_midway_ends_the_stream_with_an_error_event():
+    events = asyncio.run(_events(FailsMidway()))
+    assert [e.type for e in events][-2:] == ["response.output_text.delta", "error"]
+    assert events[-1].code == "engine_dead" and "engine stopped" in events[-1].message
 
 
 def test_requests_are_counted_as_chats_are():

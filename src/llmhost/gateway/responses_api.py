@@ -14,6 +14,7 @@ tools) are refused with a 400 naming the field.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -26,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llmhost.gateway.access import Access
-from llmhost.gateway.errors import ApiError, invalid, model_not_found, unsupported
+from llmhost.gateway.errors import ApiError, invalid, unsupported
 from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
 from llmhost.gateway.images import fetch_images
 from llmhost.gateway.mapping import BackendRequest, _json_object, _validation_error, to_backend
@@ -317,9 +318,25 @@ def _response_format(fmt: TextFormat | None) -> dict[str, Any] | None:
 # Sampling fields that go to chat under the same name.
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed", "stop", "user", "include_reasoning", "chat_template_kwargs")
-# Chat's name for a field of the chat request built here, where REQ's differs.
-_CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
-               "reasoning_effort": "reasoning.effort"}
+# Chat's names for fields of the chat request built here, and the client's names for them.
+_CLIENT_NAMES = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"),
+                 ("reasoning_effort", "reasoning.effort"), ("tool_choice.function.", "tool_choice."))
+
+
+def _as_client_named(err: ApiError) -> ApiError:
+    """ERR, a refusal of the chat built from a request, naming the field as the request
+    named it (chat's tools[i].function.name is the request's tools[i].name)."""
+    if not err.param:
+        return err
+    param = re.sub(r"^(tools\[\d+\])\.function\b", r"\1", err.param)
+    for chat, ours in _CLIENT_NAMES:
+        if param == chat or param.startswith(chat if chat.endswith(".") else chat + "."):
+            param = ours + param[len(chat):]
+            break
+    if param != err.param:
+        err.message = err.message.replace(f"'{err.param}'", f"'{param}'")
+        err.param = param
+    return err
 
 
 def to_chat(req: ResponsesRequest, cap: int | None = None) -> BackendRequest:
@@ -333,17 +350,13 @@ def to_chat(req: ResponsesRequest, cap: int | None = None) -> BackendRequest:
     body["response_format"] = _response_format(req.text.format if req.text is not None else None)
     body["reasoning_effort"] = req.reasoning.effort if req.reasoning is not None else None
     try:
-        chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        return to_backend(ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}),
+                          cap)
     except ValidationError as exc:
         err = _validation_error(exc)
-        if isinstance(err, ApiError) and err.param:
-            # The chat field's name, as the client named it.
-            head, dot, rest = err.param.partition(".")
-            ours = _CHAT_NAMES.get(head, head)
-            err.param = ours + dot + rest
-            err.message = err.message.replace(f"'{head}", f"'{ours}")
-        raise err from None
-    return to_backend(chat, cap)
+        raise (_as_client_named(err) if isinstance(err, ApiError) else err) from None
+    except ApiError as exc:
+        raise _as_client_named(exc) from None
 
 
 def new_id(prefix: str) -> str:
@@ -621,8 +634,8 @@ class ResponsesApi:
                 rec.model = body["model"]
             parsed = parse_request(body)
             req = to_chat(parsed, key.max_tokens)
-            if req.model not in config.models or not key.may_use(req.model):
-                raise model_not_found(req.model)
+            await self.access.to_served_model(key, req)
+            rec.model = req.model
             await self.access.admit(request, key, self.estimate(req))
             if req.images:
                 req.images = list(await until_disconnect(request, fetch_images(req.images,
