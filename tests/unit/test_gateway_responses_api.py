@@ -149,6 +149,13 @@ def test_a_body_that_is_no_json_object_is_a_400(raw):
     assert fake.seen == []
 
 
+@pytest.mark.parametrize("kind", ["x" * 1000, [["y" * 50] * 50]], ids=["long-text", "big-list"])
+def test_an_unknown_type_is_quoted_back_short(kind):
+    for body in (_body(input=[{"type": kind}]), _body(tools=[{"type": kind}])):
+        r, _ = _post(body)
+        assert r.status_code == 400 and len(r.json()["error"]["message"]) < 200, r.text[:300]
+
+
 def test_previous_response_id_says_nothing_is_stored():
     r, _ = _post(_body(previous_response_id="resp_1"))
     assert "stores none" in r.json()["error"]["message"]

@@ -189,12 +189,16 @@ def _checked(model: type[BaseModel], value: Any, where: str) -> Any:
         raise _validation_error(exc, (where,)) from None
 
 
+def _shown(value: Any) -> str:
+    """A client's value, quoted back short."""
+    return repr(value[:32] if isinstance(value, str) else value)[:40]
+
+
 def _item(raw: dict[str, Any], i: int) -> InputItem:
     kind = raw.get("type", "message")
     model = _ITEM_TYPES.get(kind) if isinstance(kind, str) else None
     if model is None:
-        shown = kind[:32] if isinstance(kind, str) else kind
-        raise unsupported(f"input[{i}].type", f"is {shown!r}; served items: {', '.join(_ITEM_TYPES)}")
+        raise unsupported(f"input[{i}].type", f"is {_shown(kind)}; served items: {', '.join(_ITEM_TYPES)}")
     item: InputItem = _checked(model, raw, f"input[{i}]")
     return item
 
@@ -226,7 +230,7 @@ def _part(part: Any, at: str) -> dict[str, Any]:
         detail = part.get("detail")
         return {"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}}
     if isinstance(kind, str) and kind:
-        raise unsupported(f"{at}.type", f"is {kind[:32]!r}; served content parts: input_text, output_text, "
+        raise unsupported(f"{at}.type", f"is {_shown(kind)}; served content parts: input_text, output_text, "
                           "input_image")
     raise invalid(f"missing required field '{at}.type'", f"{at}.type", "missing_required_parameter")
 
@@ -284,8 +288,7 @@ def _tools(req: ResponsesRequest) -> dict[str, Any]:
         for i, raw in enumerate(req.tools):
             kind = raw.get("type")
             if kind != "function":
-                shown = kind[:32] if isinstance(kind, str) else kind
-                raise unsupported(f"tools[{i}].type", f"is {shown!r}; only function tools are served (hosted "
+                raise unsupported(f"tools[{i}].type", f"is {_shown(kind)}; only function tools are served (hosted "
                                   "tools need OpenAI's platform)")
             tool: FunctionTool = _checked(FunctionTool, raw, f"tools[{i}]")
             tools.append({"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})})
