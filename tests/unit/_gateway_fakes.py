@@ -72,9 +72,6 @@ class Fake:
                 "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
                 "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}]}
 
-    async def model_config(self, model: str) -> Any:
-        return service_pb2.ModelConfigResponse(config={"name": model, "backend": "vllm"})
-
     async def _before(self) -> None:
         self.calls += 1
         self.started += 1

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.errors import ApiError
@@ -246,8 +246,11 @@ def test_scopes_limits_and_health_follow_the_key():
         assert (await stub.ModelReady(service_pb2.ModelReadyRequest(name="m"), metadata=AUTH)).ready
         meta = await stub.ModelMetadata(service_pb2.ModelMetadataRequest(name="m"), metadata=AUTH)
         assert meta.inputs[0].name == "text_input" and meta.outputs[0].datatype == "BYTES"
-        config = await stub.ModelConfig(service_pb2.ModelConfigRequest(name="m"), metadata=AUTH)
-        assert config.config.backend == "vllm"
+        config = (await stub.ModelConfig(service_pb2.ModelConfigRequest(name="m"), metadata=AUTH)).config
+        assert (config.name, config.backend, config.model_transaction_policy.decoupled) == ("m", "vllm", True)
+        inputs = [(t.name, t.data_type, list(t.dims)) for t in config.input]
+        assert inputs == [("text_input", model_config_pb2.TYPE_STRING, [1])]
+        assert config.output[0].name == "text_output"
         for call in (stub.ModelReady(service_pb2.ModelReadyRequest(name="n"), metadata=AUTH),
                      stub.ModelConfig(service_pb2.ModelConfigRequest(name="n"), metadata=AUTH),
                      stub.ModelInfer(_request("n"), metadata=AUTH)):
@@ -296,3 +299,39 @@ def test_a_backend_error_is_the_requests_error():
         assert got[0].error_message
 
     _serve(Fake(fail="down"), calls)
+
+
+def test_tls_with_the_gateways_certificate_and_a_renewed_one_for_new_connections(tmp_path: Any):
+    from tests.harness.certs import self_signed
+
+    cert, key = self_signed(tmp_path / "old")
+    config = GatewayConfig(upstreams=["up:1"], models=["m"], grpc_listen=("127.0.0.1", free_port()),
+                           tls_cert=cert, tls_key=key)
+    address = f"127.0.0.1:{config.grpc_listen[1]}"
+
+    async def live(trusted: bytes, timeout_s: float = 10) -> bool:
+        async with grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(trusted)) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            return bool((await stub.ServerLive(service_pb2.ServerLiveRequest(), metadata=AUTH,
+                                               timeout=timeout_s)).live)
+
+    async def go() -> None:
+        app = make_app(Fake(), config=config)
+        server = await start(app.state.gateway, app.state.observers, config)
+        try:
+            old = cert.read_bytes()
+            assert await live(old)
+            with pytest.raises(grpc.aio.AioRpcError):  # plaintext is not served
+                async with grpc.aio.insecure_channel(address) as channel:
+                    await service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(
+                        service_pb2.ServerLiveRequest(), metadata=AUTH, timeout=2)
+            new_cert, new_key = self_signed(tmp_path / "new")
+            key.write_bytes(new_key.read_bytes())  # a renewal: the key first, the certificate after
+            cert.write_bytes(new_cert.read_bytes())
+            assert await live(new_cert.read_bytes())
+            with pytest.raises(grpc.aio.AioRpcError):  # the old certificate is no longer served
+                await live(old, timeout_s=2)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(go())

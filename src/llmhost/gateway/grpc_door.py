@@ -19,8 +19,9 @@ over the same upstream pool and engine sockets as Triton's HTTP generate API
   with ``triton_final_response`` true, as tritonserver does for a decoupled model.
   Requests on one stream run side by side; a request's error is its stream
   response's ``error_message`` (the stream goes on).
-- ``ServerLive``, ``ServerReady``, ``ModelReady``, ``ModelMetadata`` and
-  ``ModelConfig`` (the upstream's); every other method is UNIMPLEMENTED.
+- ``ServerLive``, ``ServerReady``, ``ModelReady``, ``ModelMetadata`` (the
+  upstream's) and ``ModelConfig`` (built from the metadata: Triton's own is an admin
+  API); every other method is UNIMPLEMENTED.
 
 Each request is one request record (metrics and access log, with the path
 ``grpc:<method>`` and the HTTP status its outcome has on the HTTP doors).
@@ -30,13 +31,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from pathlib import Path
 from typing import Any
 
 import grpc
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from llmhost.gateway.access import Access
 from llmhost.gateway.config import GatewayConfig, join_host_port
@@ -185,6 +188,20 @@ def encode_response(model: str, version: str, request_id: str, outputs: Outputs)
     return resp
 
 
+def model_config(meta: dict[str, Any]) -> Any:
+    """What clients read of a model's configuration, from its metadata: its name, our
+    backend, no batching, decoupled (several responses per request), its inputs and
+    outputs. Triton's own ModelConfig is an admin API, closed to the gateway."""
+    config = model_config_pb2.ModelConfig(name=meta["name"], backend="vllm", max_batch_size=0)
+    config.model_transaction_policy.decoupled = True
+    for tensors, items in ((config.input, meta["inputs"]), (config.output, meta["outputs"])):
+        for t in items:
+            datatype = "STRING" if t["datatype"] == "BYTES" else t["datatype"]
+            tensors.add(name=t["name"], data_type=model_config_pb2.DataType.Value(f"TYPE_{datatype}"),
+                        dims=t["shape"])
+    return config
+
+
 class _Call:
     """One request of a gRPC call: its record (closed once) and the scope its observers see."""
 
@@ -288,10 +305,14 @@ class GrpcDoor(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         return await self._answer("ModelReady", context, answer)
 
+    async def _metadata(self, name: str, context: Any, rec: RequestRecord) -> dict[str, Any]:
+        """The upstream's metadata of the model NAME (native.py's shape), once the key may see it."""
+        model = self._served(name, self._key(context, rec), rec)
+        return dict(await self.gw.pool.call(model, lambda client: client.model_metadata(model)))
+
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         async def answer(rec: RequestRecord) -> Any:
-            model = self._served(request.name, self._key(context, rec), rec)
-            meta = await self.gw.pool.call(model, lambda client: client.model_metadata(model))
+            meta = await self._metadata(request.name, context, rec)
 
             def tensors(items: list[dict[str, Any]]) -> list[Any]:
                 return [service_pb2.ModelMetadataResponse.TensorMetadata(
@@ -305,8 +326,8 @@ class GrpcDoor(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelConfig(self, request: Any, context: Any) -> Any:
         async def answer(rec: RequestRecord) -> Any:
-            model = self._served(request.name, self._key(context, rec), rec)
-            return await self.gw.pool.call(model, lambda client: client.model_config(model))
+            return service_pb2.ModelConfigResponse(config=model_config(await self._metadata(request.name, context,
+                                                                                            rec)))
 
         return await self._answer("ModelConfig", context, answer)
 
@@ -414,11 +435,45 @@ for _method in _SERVICE.methods:
         setattr(GrpcDoor, _method.name, _unimplemented(_method.name))
 
 
+class CertificateFiles:
+    """The gateway's certificate and key for gRPC's TLS, loaded again for the next
+    connections once the files have changed (a renewal; the HTTP door loads them on
+    SIGHUP), as soon as they hold a matching pair; until then the pair in use stays."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        self.cert = cert
+        self.key = key
+        self.seen = self._stamp()
+
+    def _stamp(self) -> tuple[tuple[int, int], ...] | None:
+        try:
+            return tuple((s.st_mtime_ns, s.st_size) for s in (self.cert.stat(), self.key.stat()))
+        except OSError:
+            return None
+
+    def configuration(self) -> Any:
+        return grpc.ssl_server_certificate_configuration([(self.key.read_bytes(), self.cert.read_bytes())])
+
+    def fetch(self) -> Any:
+        """gRPC asks before each handshake: a new configuration, or None for the one in use."""
+        stamp = self._stamp()
+        if stamp is None or stamp == self.seen:
+            return None
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)
+            configuration = self.configuration()
+        except (OSError, ssl.SSLError, ValueError):
+            return None  # half written, or not a pair: asked again at the next connection
+        self.seen = stamp
+        return configuration
+
+
 def server_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
     """TLS with the gateway's certificate and key, where it has them."""
     if config.tls_cert is None or config.tls_key is None:
         return None
-    return grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+    files = CertificateFiles(config.tls_cert, config.tls_key)
+    return grpc.dynamic_ssl_server_credentials(files.configuration(), files.fetch)
 
 
 def server_options(config: GatewayConfig) -> Iterable[tuple[str, Any]]:
