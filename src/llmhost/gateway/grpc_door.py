@@ -45,7 +45,16 @@ from llmhost.gateway.access import Access
 from llmhost.gateway.config import GatewayConfig, join_host_port
 from llmhost.gateway.errors import ApiError, invalid
 from llmhost.gateway.keys import ApiKey
-from llmhost.gateway.native import BOOL_INPUTS, LIST_INPUTS, STRING_INPUTS, Counter, NativeRequest, counted, whole
+from llmhost.gateway.native import (
+    BOOL_INPUTS,
+    COUNT_OUTPUTS,
+    LIST_INPUTS,
+    STRING_INPUTS,
+    Counter,
+    NativeRequest,
+    counted,
+    whole,
+)
 from llmhost.gateway.record import Observer, RequestRecord, close_record
 
 EMPTY_FINAL = "triton_enable_empty_final_response"
@@ -242,8 +251,8 @@ class _Request:
         counts (always asked of the backend) only where it asked for them."""
         if self.named:
             return {k: v for k, v in outputs.items() if k in self.named}
-        hidden = {"num_input_tokens": "return_num_input_tokens", "num_output_tokens": "return_num_output_tokens"}
-        return {k: v for k, v in outputs.items() if k not in hidden or hidden[k] in self.native.asked_counts}
+        return {k: v for k, v in outputs.items()
+                if k not in COUNT_OUTPUTS or COUNT_OUTPUTS[k] in self.native.asked_counts}
 
     def response(self, version: str, outputs: Outputs) -> Any:
         return encode_response(self.native.model, version, self.native.request_id, self.shown(outputs))

@@ -54,6 +54,8 @@ BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "ret
                "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")
 # Asked of the backend always (for usage and limits), returned only when the client asked.
 _COUNTS = ("return_num_input_tokens", "return_num_output_tokens")
+# Each count output, by the input that asks for it.
+COUNT_OUTPUTS = {"num_input_tokens": "return_num_input_tokens", "num_output_tokens": "return_num_output_tokens"}
 DEFAULT_MAX_TOKENS = 512
 # Triton's own request parameters (the gateway sets triton_enable_empty_final_response).
 RESERVED_PREFIX = "triton_"
@@ -299,9 +301,8 @@ class NativeApi:
 
     def _body(self, req: NativeRequest, version: str, outputs: dict[str, list[Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"model_name": req.model, "model_version": version or "1"}
-        hidden = {"num_input_tokens": "return_num_input_tokens", "num_output_tokens": "return_num_output_tokens"}
         for name, values in outputs.items():
-            if name in hidden and hidden[name] not in req.asked_counts:
+            if name in COUNT_OUTPUTS and COUNT_OUTPUTS[name] not in req.asked_counts:
                 continue
             out[name] = _scalar(values)
         return out
