@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from llmhost.backend.config import load_model_config
-from llmhost.backend.lora import with_adapters
+from llmhost.backend.lora import check_published, with_adapters
 from llmhost.tiny.lora import write_tiny_lora
 from tests.ansible._helpers import PlaybookRun, ansible_playbook, ansible_playbook_on_hosts, batch_inventory
 
@@ -134,6 +134,10 @@ def test_adapters_are_staged_and_listed_idempotently(tmp_path: Path, files: tupl
         (name, i, multi[name]) for i, name in enumerate(multi, start=1)]
     assert not (repo / "plain" / "multi_lora.json").exists()
     assert "enable_lora" not in json.loads((repo / "plain" / "model.json").read_text())
+    # config.pbtxt publishes the names for the gateway, and the backend's load check takes them.
+    assert _published(repo / "base") == '["gen", "mine", "packed"]'
+    check_published({"parameters": {"lora_adapters": {"string_value": _published(repo / "base")}}}, config.adapters)
+    assert _published(repo / "plain") is None
 
     again = _run(tmp_path, models)
     assert again.rc == 0, again.output
@@ -146,6 +150,16 @@ def test_adapters_are_staged_and_listed_idempotently(tmp_path: Path, files: tupl
     assert not (repo / "base" / "multi_lora.json").exists()
     assert "enable_lora" not in json.loads((repo / "base" / "model.json").read_text())
     assert "model repository changed" in removed.output
+    assert _published(repo / "base") is None
+
+
+def _published(model_dir: Path) -> str | None:
+    """config.pbtxt's lora_adapters parameter, as Triton reads it (None: not set)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse((model_dir / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    return config.parameters["lora_adapters"].string_value if "lora_adapters" in config.parameters else None
 
 
 BAD_ADAPTERS: list[tuple[Any, tuple[str, ...]]] = [

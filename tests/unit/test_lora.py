@@ -13,6 +13,7 @@ from llmhost.backend.errors import RequestError
 from llmhost.backend.lora import (
     NOT_ENABLED,
     Adapter,
+    check_published,
     find_adapter,
     load_adapters,
     lora_request,
@@ -114,6 +115,61 @@ def test_find_adapter():
     with pytest.raises(RequestError) as err:
         find_adapter("alpha", ())
     assert str(err.value).startswith(NOT_ENABLED) and "enable_lora" in str(err.value)
+
+
+def _published(names: list[str] | None) -> dict[str, object]:
+    """The model configuration, as Triton hands it to the backend, of config.pbtxt.j2
+    rendered with NAMES as the model's adapters."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from llmhost.server.layout import render
+
+    text = render("config.pbtxt.j2", model={"name": "m", **({"lora_adapters": names} if names is not None else {})})
+    return json_format.MessageToDict(text_format.Parse(text, model_config_pb2.ModelConfig()),
+                                     preserving_proto_field_name=True)
+
+
+# Names as multi_lora.json may give them: printable, quotes and backslashes too.
+ODD_NAMES = ["alpha", 'b"eta', "c\\d", "über"]
+
+
+def test_config_pbtxt_publishes_the_adapter_names_the_gateway_reads():
+    from tritonclient.grpc import service_pb2
+
+    from llmhost.gateway.pool import published_adapters
+
+    config = _published(ODD_NAMES)
+    adapters = tuple(Adapter(name, i, f"/a/{i}") for i, name in enumerate(ODD_NAMES, start=1))
+    check_published(config, adapters)
+    response = service_pb2.ModelConfigResponse(config=config)
+    assert published_adapters(response) == tuple(ODD_NAMES)
+    assert "lora_adapters" not in _published(None).get("parameters", {})
+    assert "lora_adapters" not in _published([]).get("parameters", {})
+
+
+@pytest.mark.parametrize("names", [["alpha"], ["beta", "alpha"], ["alpha", "beta", "gamma"]])
+def test_a_published_list_unlike_multi_lora_json_fails_the_load(names: list[str]):
+    adapters = (Adapter("alpha", 1, "/a"), Adapter("beta", 2, "/b"))
+    with pytest.raises(ConfigError, match=r"config.pbtxt's parameter 'lora_adapters' must be the JSON list of the "
+                                          r'adapter names the model serves \(\["alpha", "beta"\]'):
+        check_published(_published(names), adapters)
+    with pytest.raises(ConfigError, match="lora_adapters"):
+        check_published(_published(["alpha"]), ())  # LoRA off: nothing may be published
+    check_published(_published(None), adapters)  # none published (a hand-made config.pbtxt): nothing to check
+
+
+def test_serve_publishes_multi_lora_names_only_with_lora_on(tmp_path: Path):
+    from llmhost.server.serve import published_adapters
+
+    multi = tmp_path / "multi_lora.json"
+    multi.write_text(json.dumps({"beta": "/b", "alpha": "/a"}))
+    assert published_adapters(multi, {"enable_lora": True}) == ["beta", "alpha"]
+    assert published_adapters(multi, {"enable_lora": "true"}) == ["beta", "alpha"]
+    assert published_adapters(multi, {}) == []
+    assert published_adapters(None, {"enable_lora": True}) == []
+    multi.write_text("[")
+    assert published_adapters(multi, {"enable_lora": True}) == []
 
 
 def test_lora_request_carries_the_fixed_id():

@@ -10,6 +10,12 @@ from 1), which vLLM uses to cache the adapter's weights.
 Unlike vllm_backend, the file is checked when the model loads: a bad file, a missing
 directory, or an adapter whose rank exceeds ``max_lora_rank`` fails the load with a
 message naming the file and the entry, not the first request that uses it.
+
+The adapters' names are published in config.pbtxt's parameter ``lora_adapters`` (a
+JSON list of names, written by llmhost's template beside multi_lora.json), where the
+gateway reads them over Triton's API to serve each adapter as a model of its own. A
+config.pbtxt whose list is not the names multi_lora.json gives fails the load, so
+that no gateway is told of an adapter the model does not serve.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ NOT_ENABLED = "LoRA feature is not enabled."
 # vLLM's default max_lora_rank (LoRAConfig.max_lora_rank).
 DEFAULT_MAX_LORA_RANK = 16
 MAX_NAME_CHARS = 256
+# config.pbtxt's parameter that publishes the adapters' names (a JSON list of strings).
+ADAPTERS_PARAMETER = "lora_adapters"
 _NAME = re.compile(r"[^\x00-\x1f\x7f]+")
 
 
@@ -126,6 +134,24 @@ def with_adapters(config: ModelConfig, model_json: Path) -> tuple[ModelConfig, s
     if "enable_lora" in engine_args:
         engine_args["enable_lora"] = lora_enabled(engine_args)
     return replace(config, engine_args=engine_args, adapters=tuple(adapters)), note
+
+
+def check_published(model_config: dict[str, Any], adapters: tuple[Adapter, ...]) -> None:
+    """Fail when config.pbtxt's ADAPTERS_PARAMETER, where it is set, does not list
+    exactly the names of ADAPTERS (in multi_lora.json's order)."""
+    entry = (model_config.get("parameters") or {}).get(ADAPTERS_PARAMETER)
+    if not isinstance(entry, dict):
+        return
+    text = str(entry.get("string_value", ""))
+    try:
+        published = json.loads(text) if text.strip() else []
+    except json.JSONDecodeError:
+        published = None
+    names = [a.name for a in adapters]
+    if published != names:
+        raise ConfigError(f"config.pbtxt's parameter '{ADAPTERS_PARAMETER}' must be the JSON list of the adapter "
+                          f"names the model serves ({json.dumps(names)}, from {MULTI_LORA_JSON} with enable_lora), "
+                          f"got {shown(text)}")
 
 
 def request_lora_name(params: dict[str, Any]) -> str | None:

@@ -41,7 +41,7 @@ from llmhost.backend.errors import RequestError, safe_message
 from llmhost.backend.failures import SHUTTING_DOWN_MESSAGE
 from llmhost.backend.health import UNHEALTHY_MESSAGE, SelfUnload
 from llmhost.backend.images import IMAGE
-from llmhost.backend.lora import find_adapter, with_adapters
+from llmhost.backend.lora import check_published, find_adapter, with_adapters
 from llmhost.backend.metrics import RESPONSE_DELAY, ServingMetrics, TritonExporter
 from llmhost.backend.outputs import response_outputs
 from llmhost.backend.request import (
@@ -487,6 +487,7 @@ class TritonPythonModel:
         try:
             path, ignored = locate_model_json(model_dir, str(args.get("model_version", "1")))
             config, lora_note = with_adapters(load_model_config(path), path)
+            check_published(json.loads(args.get("model_config") or "{}"), config.adapters)
         except ConfigError as exc:
             raise pb.TritonModelException(str(exc)) from None
         if lora_note:

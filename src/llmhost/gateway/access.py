@@ -11,12 +11,16 @@ from typing import Any
 from starlette.requests import Request
 
 from llmhost.gateway.config import GatewayConfig
+from llmhost.gateway.errors import model_not_found
 from llmhost.gateway.keys import ApiKey, KeyStore
 from llmhost.gateway.limits import KeyLimiter, RateLimited
+from llmhost.gateway.mapping import BackendRequest
 from llmhost.gateway.pool import UpstreamPool
 from llmhost.gateway.record import RequestRecord, record_of
 
 _ADMIN_FIELDS = ("target", "state", "held", "outstanding")
+# The backend's sampling parameter that picks a LoRA adapter of the model.
+LORA_NAME = "lora_name"
 
 
 class Access:
@@ -69,6 +73,28 @@ class Access:
             await self.shared.hold(target, held)
         else:
             await self.pool.hold(member, held)
+
+    async def served_as(self, key: ApiKey, name: str) -> tuple[str, str | None]:
+        """The served model that NAME stands for, and the LoRA adapter of it that NAME is
+        (None: the model itself). A name KEY may not use does not exist to it (404): an
+        adapter is in a key's scope only by its own name, not by its base model's."""
+        if name in self.config.models:
+            if key.may_use(name):
+                return name, None
+            raise model_not_found(name)
+        base = await self.pool.adapter_base(name)
+        if base is None or not key.may_use(name):
+            raise model_not_found(name)
+        return base, name
+
+    async def to_served_model(self, key: ApiKey, req: BackendRequest) -> None:
+        """Point REQ at the served model its ``model`` names; a LoRA adapter's name
+        becomes its base model and the backend's sampling parameter ``lora_name``; the
+        answer still names the adapter, as vLLM's server's does."""
+        req.model, adapter = await self.served_as(key, req.model)
+        if adapter is not None:
+            req.sampling[LORA_NAME] = adapter
+            req.answer_model = adapter
 
     def note_upstream(self, request: Request) -> Callable[[str], None]:
         """A callback that notes, in the request's record, the upstream that serves it."""

@@ -120,14 +120,28 @@ def _estimate(req: BackendRequest) -> int:
     return _prompt_estimate(req) + (max_tokens if isinstance(max_tokens, int) else DEFAULT_MAX_TOKENS) * req.choices
 
 
+def _model_card(name: str, parent: str | None) -> dict[str, Any]:
+    """A model as /v1/models lists it; a LoRA adapter (as vLLM's server lists one) with
+    the served name of its base model as ``parent`` (its ``root``: its own name, as the
+    adapter's directory is on the model's host, not here)."""
+    card: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "llmhost"}
+    if parent is not None:
+        card.update(root=name, parent=parent)
+    return card
+
+
 class Gateway(Access):
     """The OpenAI door: /v1/models, /v1/chat/completions and /v1/completions."""
 
     async def models(self, request: Request) -> Response:
         try:
             key = self.auth(request)
-            data = [{"id": name, "object": "model", "created": 0, "owned_by": "llmhost"}
-                    for name in await self.pool.ready_models() if key.may_use(name)]
+            data = []
+            for name in await self.pool.ready_models():
+                if key.may_use(name):
+                    data.append(_model_card(name, None))
+                data.extend(_model_card(adapter, name) for adapter in self.pool.adapters(name)
+                            if key.may_use(adapter) and adapter not in self.config.models)
         except ApiError as exc:
             return error_response(exc)
         return json_response({"object": "list", "data": data})
@@ -136,11 +150,13 @@ class Gateway(Access):
         name = request.path_params["model"]
         try:
             key = self.auth(request)
-            if name not in self.config.models or not key.may_use(name) or not await self.pool.model_ready(name):
+            base, adapter = await self.served_as(key, name)
+            if not await self.pool.model_ready(base) or (adapter is not None
+                                                         and adapter not in self.pool.adapters(base)):
                 raise model_not_found(name)
         except ApiError as exc:
             return error_response(exc)
-        return json_response({"id": name, "object": "model", "created": 0, "owned_by": "llmhost"})
+        return json_response(_model_card(name, base if adapter is not None else None))
 
     async def chat(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -155,9 +171,9 @@ class Gateway(Access):
             key = self.auth(request)
             raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
             req = to_backend(parse_body(raw, chat), key.max_tokens)
+            rec.model = req.model  # the name asked, until it is known to be served
+            await self.to_served_model(key, req)
             rec.model = req.model
-            if req.model not in self.config.models or not key.may_use(req.model):
-                raise model_not_found(req.model)
             await self.admit(request, key, _estimate(req))
             if req.images:
                 req.images = list(await until_disconnect(request, fetch_images(req.images,

@@ -73,6 +73,9 @@ class BackendRequest:
     images: list[str | RemoteImage] = field(default_factory=list)
     # Where the gateway sends it (llmhost.gateway.routing); never sent upstream.
     route: Route | None = None
+    # The name the answer gives as its model: the LoRA adapter's the client asked for,
+    # where model is the adapter's base model (llmhost.gateway.access); None: model.
+    answer_model: str | None = None
     # Streamed with include_usage: every chunk carries the usage so far, not only the last.
     continuous_usage: bool = False
     # "tokenize" or "detokenize": the backend's tokenizer answers alone (llmhost.gateway.tokenize).

@@ -36,6 +36,7 @@ REFUSED: dict[str, str] = {
     "cache_salt": _ENGINE, "routed_experts_prompt_start": _ENGINE,
     "stream_interval": "is not served: a stream follows the model's stream_interval_ms setting",
     "request_id": "is not served: the gateway names each request itself",
+    "lora_name": "is not served: name the LoRA adapter as the model (GET /v1/models lists each model's adapters)",
     "session_id": "is not served: send the x-session-id header to keep a session on one replica",
     "return_tokens_as_token_ids": _RETURN, "return_token_ids": _RETURN, "return_token_offsets": _RETURN,
     "return_prompt_text": _RETURN, "mm_payload": _RETURN, "return_mm_kwargs": _RETURN,

@@ -30,6 +30,11 @@
   (``upstream.NotStarted``) leaves the upstream in service: the request is tried once
   more, on another upstream where one serves the model, else on the same one after
   ``SAME_UPSTREAM_PAUSE_S``.
+- Each check also reads, from each ready model's Triton configuration, the LoRA adapters
+  it serves (config.pbtxt's parameter ``lora_adapters``, a JSON list of names that the
+  backend checks against its multi_lora.json at load): the gateway serves each as a
+  model of its own, on the upstreams of its base model. An upstream whose configuration
+  cannot be read keeps the names it last gave.
 - Each change of an upstream's state is written to standard error (the journal of
   the gateway's unit), with why: ``llmhost gateway: upstream HOST:PORT out: ...``.
 """
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import time
@@ -57,12 +63,16 @@ class Client(Protocol):
 
     async def model_ready(self, model: str) -> bool: ...
 
+    async def model_config(self, model: str) -> Any: ...
+
 
 IN_SERVICE, DRAINING, OUT = "in_service", "draining", "out"
 STATES = (IN_SERVICE, DRAINING, OUT)
 # A request the backend could not hand to its model is tried again on the same upstream
 # (none other serving the model) after this pause: the moment that failed it passes.
 SAME_UPSTREAM_PAUSE_S = 1.0
+# The parameter of a model's Triton configuration that lists its LoRA adapters.
+ADAPTERS_PARAMETER = "lora_adapters"
 
 
 def _to_stderr(line: str) -> None:
@@ -79,6 +89,7 @@ class Member:
     draining: bool = False
     held: bool = False  # held out by an operator (the admin API) until returned
     ready: set[str] = field(default_factory=set)  # models ready at its last check that answered
+    adapters: dict[str, tuple[str, ...]] = field(default_factory=dict)  # model -> LoRA adapters it last published
     outstanding: int = 0
     fails: int = 0  # failed health checks in a row
     passes: int = 0  # passed health checks in a row
@@ -154,6 +165,8 @@ class UpstreamPool:
             except Exception:  # noqa: BLE001 - anything else unexpected: a failed check, and the checks go on
                 failure = "unreachable"
                 break
+        if not failure:
+            await self._read_adapters(member, ready)
         before = _condition(member)
         if failure:
             self._failed(member, unreachable=failure == "unreachable")
@@ -164,6 +177,18 @@ class UpstreamPool:
         self._note(member, before, why)
         member.checked = True
         await self._notify()
+
+    async def _read_adapters(self, member: Member, models: set[str]) -> None:
+        """The LoRA adapters each of MODELS publishes on MEMBER (kept as they were where
+        its configuration cannot be read now), all at once."""
+        async def read(model: str) -> None:
+            try:
+                response = await asyncio.wait_for(member.client.model_config(model), self.settings.timeout_s)
+            except Exception:  # noqa: BLE001 - a late or failed read changes nothing; the next check reads again
+                return
+            member.adapters[model] = published_adapters(response)
+
+        await asyncio.gather(*(read(model) for model in models))
 
     def _passed(self, member: Member, ready: set[str]) -> None:
         member.fails, member.passes = 0, member.passes + 1
@@ -235,6 +260,23 @@ class UpstreamPool:
 
     async def model_ready(self, model: str) -> bool:
         return model in await self.ready_models()
+
+    def adapters(self, model: str) -> list[str]:
+        """The LoRA adapters of MODEL on the upstreams it would be sent to now, each once."""
+        names: dict[str, None] = {}
+        for member in self._candidates(model, set()):
+            names.update(dict.fromkeys(member.adapters.get(model, ())))
+        return list(names)
+
+    async def adapter_base(self, name: str) -> str | None:
+        """The served model whose LoRA adapter NAME is, as any upstream last published it
+        (None: no served model has one by that name). A served model's own name is never
+        an adapter's."""
+        await self._ensure_checked()
+        if name in self.models:
+            return None
+        return next((model for model in self.models
+                     if any(name in m.adapters.get(model, ()) for m in self.members)), None)
 
     def view(self) -> list[dict[str, Any]]:
         """Every upstream: its state, whether it is held, requests in flight, routable."""
@@ -367,6 +409,21 @@ class UpstreamPool:
                     tried.add(member.target)
             finally:
                 await self.release(member)
+
+
+def published_adapters(response: Any) -> tuple[str, ...]:
+    """The adapter names a ModelConfigResponse publishes in ADAPTERS_PARAMETER; none
+    where it is absent or not a JSON list of names."""
+    params = response.config.parameters
+    if ADAPTERS_PARAMETER not in params:
+        return ()
+    try:
+        names = json.loads(params[ADAPTERS_PARAMETER].string_value)
+    except ValueError:
+        return ()
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        return ()
+    return tuple(names)
 
 
 def _condition(member: Member) -> tuple[str, bool, bool]:

@@ -188,14 +188,14 @@ def completion_body(req: BackendRequest, acc: Accumulator, rid: str, created: in
             for choice in choices:
                 choice["prompt_logprobs"] = shown
         body = {"id": rid, "object": "text_completion"}
-    return {**body, "created": created, "model": req.model, "choices": choices,
+    return {**body, "created": created, "model": req.answer_model or req.model, "choices": choices,
             "usage": usage(acc.num_input, acc.num_output)}
 
 
 def chunk(req: BackendRequest, rid: str, created: int, choices: list[dict[str, Any]],
           usage_value: dict[str, int] | None = None, final_usage: bool = False) -> dict[str, Any]:
     obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
-                           "created": created, "model": req.model, "choices": choices}
+                           "created": created, "model": req.answer_model or req.model, "choices": choices}
     if req.include_usage:
         obj["usage"] = usage_value if final_usage else None
     return obj

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from llmhost.gateway.access import Access
-from llmhost.gateway.errors import ApiError, model_not_found
+from llmhost.gateway.errors import ApiError
 from llmhost.gateway.httpio import ClientGone, error_response, json_response, read_body, until_disconnect
 from llmhost.gateway.keys import ApiKey
 from llmhost.gateway.mapping import BackendRequest, parse_detokenize, parse_tokenize
@@ -65,9 +65,11 @@ class TokenizeApi:
     async def _answer(self, request: Request, key: ApiKey, req: BackendRequest) -> str:
         """The backend tokenizer's text_output for REQ, on an upstream serving its model
         (404 for a model the key may not use, as on chat)."""
-        record_of(request.scope).model = req.model
-        if req.model not in self.access.config.models or not key.may_use(req.model):
-            raise model_not_found(req.model)
+        rec = record_of(request.scope)
+        rec.model = req.model  # the name asked, until it is known to be served
+        # A LoRA adapter tokenizes as its base model: the adapter has no tokenizer of its own.
+        req.model, _ = await self.access.served_as(key, req.model)
+        rec.model = req.model
         await self.access.admit(request, key, 0)
         pool, note = self.access.pool, self.access.note_upstream(request)
 

@@ -320,6 +320,18 @@ class Upstream:
         return {"name": m.name, "versions": list(m.versions), "platform": m.platform,
                 "inputs": tensors(m.inputs), "outputs": tensors(m.outputs)}
 
+    async def model_config(self, model: str) -> Any:
+        """Triton's ModelConfigResponse of MODEL: its config.pbtxt as loaded, whose
+        parameters publish the model's LoRA adapters (pool.published_adapters)."""
+        try:
+            return await self._get_stub().ModelConfig(service_pb2.ModelConfigRequest(name=model),
+                                                      timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise UpstreamDown(self.target) from None
+            raise ApiError(404, f"no configuration for model '{model}': {exc.details()}", "not_found_error",
+                           "model", "model_not_found") from None
+
     def engine_sockets(self, model: str) -> list[Path]:
         """MODEL's engine sockets on this host, by name (none where it has no folder of
         sockets). A socket's name starts with the model version its instance serves:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from llmhost.backend.config import BackendSettings
-from llmhost.backend.lora import MULTI_LORA_JSON
+from llmhost.backend.lora import MULTI_LORA_JSON, lora_enabled
 from llmhost.backend.stream_socket import SOCKET_DIR_ENV
 from llmhost.backend.watchdog import describe_exit
 from llmhost.server.admin_key import HEADER as ADMIN_HEADER
@@ -117,7 +117,21 @@ def model_entry(opts: ServeOptions, device: str) -> dict[str, Any]:
         "default_max_tokens": opts.default_max_tokens,
         "max_n": opts.max_n,
         "drain_timeout_s": opts.drain_timeout_s,
+        "lora_adapters": published_adapters(opts.multi_lora, engine),
     }
+
+
+def published_adapters(multi_lora: Path | None, engine_args: dict[str, Any]) -> list[str]:
+    """The adapter names config.pbtxt publishes for the gateway: those of MULTI_LORA
+    when LoRA is on. A file the backend will refuse publishes none: its load fails
+    with the backend's message (ConfigError is a ValueError)."""
+    if multi_lora is None:
+        return []
+    try:
+        raw = json.loads(multi_lora.read_text())
+        return list(raw) if lora_enabled(engine_args) and isinstance(raw, dict) else []
+    except (OSError, ValueError):
+        return []
 
 
 def server_environment(workdir: Path, device: str, kv_cache_gib: int, triton: TritonInstall) -> dict[str, str]:
