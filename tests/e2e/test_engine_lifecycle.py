@@ -3,7 +3,9 @@ fails the load quickly, naming the cause (the ImportError case: tests/unit); a
 vLLM EngineCore killed while a stream is in flight ends that stream with a clear
 error, the model stops answering ready, new requests get an error or a refused
 connection (never a hang), and `llmhost serve` restarts tritonserver, which
-serves again, with nothing of the old generation left (processes, /dev/shm)."""
+serves again, with nothing of the old generation left (processes, /dev/shm). A
+stopped (SIGSTOP) EngineCore, a hung engine, is noticed after engine_hang_timeout_s
+the same way, and counted on /metrics."""
 
 from __future__ import annotations
 
@@ -107,6 +109,23 @@ def _name(p: psutil.Process) -> str:
         return "?"
 
 
+def _serves_again(srv: Server, old: list[psutil.Process]) -> float:
+    """Wait until serve's new tritonserver is ready and answers, with no process of the
+    OLD generation left; returns when it was first ready (time.monotonic())."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not srv.model_ready() and time.monotonic() < deadline:
+        assert srv.proc.poll() is None, srv.log_tail()
+        time.sleep(1)
+    assert srv.model_ready(), srv.log_tail()
+    ready_at = time.monotonic()
+    r = requests.post(f"{srv.http}/v2/models/{srv.name}/generate", json={"text_input": "hi", "max_tokens": 4},
+                      timeout=REQUEST_TIMEOUT_S)
+    assert r.status_code == 200 and "text_output" in r.json(), r.text
+    left = wait_gone(old, timeout_s=30)
+    assert not left, f"processes of the old generation left: {[_name(p) for p in left]}"
+    return ready_at
+
+
 def test_engine_core_killed_mid_stream_fails_clearly_then_serve_restarts(tiny_model: Path, tmp_path: Path):
     shm_before_start = _shm()
     srv = start_server(tiny_model, tmp_path)
@@ -148,17 +167,7 @@ def test_engine_core_killed_mid_stream_fails_clearly_then_serve_restarts(tiny_mo
         # (requests.Timeout, a hang, fails the test)
 
         # Serves again, with nothing of the old generation left.
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not srv.model_ready() and time.monotonic() < deadline:
-            assert srv.proc.poll() is None, srv.log_tail()
-            time.sleep(1)
-        assert srv.model_ready(), srv.log_tail()
-        ready_s = time.monotonic() - t0
-        r = requests.post(f"{srv.http}/v2/models/{srv.name}/generate", json={"text_input": "hi", "max_tokens": 4},
-                          timeout=REQUEST_TIMEOUT_S)
-        assert r.status_code == 200 and "text_output" in r.json(), r.text
-        left = wait_gone(old, timeout_s=30)
-        assert not left, f"processes of the old generation left: {[_name(p) for p in left]}"
+        ready_s = _serves_again(srv, old) - t0
         # Still mapped by a live process: another server's (another test worker's), not a leak.
         leaked = (old_shm & _shm()) - mapped_segments()
         assert not leaked, f"/dev/shm segments of the old generation left: {leaked}"
@@ -169,6 +178,76 @@ def test_engine_core_killed_mid_stream_fails_clearly_then_serve_restarts(tiny_mo
               f"{not_ready_s:.1f} s; a new request got {answer[:200]!r}; ready again after {ready_s:.1f} s; "
               f"{len(old)} processes and {len(old_shm)} shm segments of the old generation, none left")
     finally:
+        kids = srv.descendants()
+        srv.stop()
+        assert not wait_gone(kids), "processes left after SIGTERM"
+
+
+# -- the EngineCore hung (stopped) mid-stream ----------------------------------------------
+
+HANG_TIMEOUT_S = 5
+HANGS = "llmhost:engine_hangs_total"
+
+
+def _watch_metric(srv: Server, series: str, seen: list[float], stop: threading.Event) -> None:
+    """The largest value of SERIES on /metrics while it answers (it goes with the restart)."""
+    while not stop.wait(0.2):
+        try:
+            seen.append(srv.metric(series))
+        except (requests.RequestException, ValueError):
+            pass
+
+
+def test_engine_core_hung_mid_stream_fails_clearly_counts_it_then_serve_restarts(tiny_model: Path, tmp_path: Path):
+    srv = start_server(tiny_model, tmp_path, extra=["--setting", f"engine_hang_timeout_s={HANG_TIMEOUT_S}"])
+    engine: list[psutil.Process] = []
+    try:
+        old = _generation(srv)
+        engine = [p for p in old if "EngineCore" in _name(p)]
+        assert len(engine) == 1, [_name(p) for p in old]
+        assert srv.metric(HANGS) == 0
+        stream = _Stream()
+        client = threading.Thread(target=_stream, args=(srv, stream))
+        client.start()
+        assert stream.started.wait(REQUEST_TIMEOUT_S) and stream.events, stream.error
+
+        seen: list[float] = []
+        watching = threading.Event()
+        watcher = threading.Thread(target=_watch_metric, args=(srv, HANGS, seen, watching), daemon=True)
+        watcher.start()
+        t0 = time.monotonic()
+        engine[0].send_signal(signal.SIGSTOP)
+        client.join(NOTICE_BOUND_S)
+        assert not client.is_alive(), "the stream in flight hung with its engine"
+        notice_s = stream.ended_at - t0
+        hung = f"the model's engine stopped (it made no progress for {HANG_TIMEOUT_S} s with 1 request in flight)"
+        if stream.error is None or hung not in stream.error:
+            pytest.fail(f"the stream ended {notice_s:.1f} s after the SIGSTOP with {stream.error!r} (its last "
+                        f"event: {stream.events[-1:]}), not the hung-engine error; the server's log:\n"
+                        f"{srv.log_tail(150)}")
+        assert "restarting" in stream.error, stream.error
+        assert "Traceback" not in stream.error, stream.error
+
+        deadline = time.monotonic() + NOTICE_BOUND_S
+        while srv.model_ready() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not srv.model_ready(), "the model still answers ready after its engine hung"
+        not_ready_s = time.monotonic() - t0
+        watching.set()
+        watcher.join(30)
+        assert max(seen, default=0) == 1, f"{HANGS} seen on /metrics: {sorted(set(seen))}"
+
+        ready_s = _serves_again(srv, old) - t0
+        log = srv.log_tail(400)
+        assert f"vLLM's engine hung: it made no progress for {HANG_TIMEOUT_S} s with 1 request in flight" in log, log
+        print(f"\nEngineCore SIGSTOP: stream failed after {notice_s:.1f} s ({stream.error!r}); not ready after "
+              f"{not_ready_s:.1f} s; ready again after {ready_s:.1f} s")
+    finally:
+        for p in engine:  # a stopped process ignores SIGTERM until it runs again
+            try:
+                p.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
         kids = srv.descendants()
         srv.stop()
         assert not wait_gone(kids), "processes left after SIGTERM"

@@ -25,7 +25,7 @@ from llmhost.backend import engine as engine_mod
 from llmhost.backend import watchdog
 from llmhost.backend.config import parse_model_config
 from llmhost.backend.engine import EngineRunner, EngineStartError
-from llmhost.backend.metrics import ServingMetrics
+from llmhost.backend.metrics import ENGINE_HANGS, ServingMetrics
 from llmhost.backend.request import GenerateJob
 from llmhost.server import stopfile
 from llmhost.server.serve import RestartLimit, exit_reason
@@ -174,6 +174,15 @@ def make_runner(restart: bool = True, drain_timeout_s: float = 30, stop_file: Pa
     return runner, info, error, stops, metrics
 
 
+def assert_server_stopped_once(stops: list[int]) -> None:
+    waited = threading.Event()
+    for _ in range(BOUND_S * 10):
+        if stops:
+            break
+        waited.wait(0.1)
+    assert stops == [1], "the server was not asked to stop"
+
+
 def start_in_thread(runner: EngineRunner) -> list[BaseException | None]:
     """start() on a thread, so a hang fails the test instead of blocking it."""
     result: list[BaseException | None] = []
@@ -303,12 +312,7 @@ def test_watchdog_fails_requests_in_flight_and_new_ones_then_stops_the_server(
     assert sink.errors == ["the model's engine stopped (EngineCore_DP0 was killed by SIGKILL); "
                            "the server is restarting; retry shortly"]
     assert not sink.was_cancelled
-    deadline = threading.Event()
-    for _ in range(BOUND_S * 10):
-        if stops:
-            break
-        deadline.wait(0.1)
-    assert stops == [1], "the server was not asked to stop"
+    assert_server_stopped_once(stops)
     assert not runner.accepting and runner.engine_dead_message() == sink.errors[0]  # what execute() answers now
     assert failed(metrics, "engine_dead") == 1 and failed(metrics, "engine_error") == 0
     assert "vLLM's engine died: EngineCore_DP0 was killed by SIGKILL" in error.text()
@@ -663,3 +667,146 @@ def test_statistics_that_never_come_hold_a_response_once_and_briefly():
                                     finished=[])
     asyncio.run(runner._stats_caught_up())
     assert info.text().count("metrics lag") == 1
+
+
+# -- a hung engine ----------------------------------------------------------------------
+
+
+class SteppingEngine(FakeEngine):
+    """A FakeEngine whose engine core hands back a batch of outputs every 20 ms, read by
+    an output loop as vLLM's client reads them (``engine_core.get_output_async``), until
+    ``hung`` is set. Its requests get one delta and then nothing: as a long request that
+    is not streamed looks from outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hung = threading.Event()
+        self.engine_core.get_output_async = self._next_outputs
+        self._loop_task: asyncio.Task[None] | None = None
+
+    async def _next_outputs(self) -> Any:
+        while self.hung.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.02)
+        return SimpleNamespace(outputs=[])
+
+    async def _output_loop(self) -> None:
+        while True:
+            await self.engine_core.get_output_async()
+
+    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._output_loop())
+        async for out in super().generate(prompt, params, request_id):
+            yield out
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        if self._loop_task is not None:
+            self._loop_task.get_loop().call_soon_threadsafe(self._loop_task.cancel)
+        super().shutdown(timeout)
+
+
+def hangs(metrics: ServingMetrics) -> float:
+    return metrics._counters.get((ENGINE_HANGS, None), 0.0)
+
+
+def test_an_engine_that_stops_stepping_is_failed_counted_and_the_server_stopped(
+        fake_vllm: None, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(sys.modules["vllm.v1.engine.async_llm"], "AsyncLLM", SteppingEngine)
+    runner, _, error, stops, metrics = make_runner(engine_hang_timeout_s=1)
+    assert start_in_thread(runner) == [None]
+    engine = FakeEngine.instances[0]
+    assert isinstance(engine, SteppingEngine)
+    sink = submit(runner, monkeypatch)
+    assert engine.generating.wait(BOUND_S), "the request never reached the engine"
+    # Still stepping: a request with no output of its own for several timeouts is no hang.
+    assert not sink.done.wait(3.5), sink.errors
+    assert hangs(metrics) == 0 and not stops
+    engine.hung.set()
+    assert sink.done.wait(BOUND_S), "the request in flight hung with its engine"
+    assert sink.errors == ["the model's engine stopped (it made no progress for 1 s with 1 request in flight); "
+                           "the server is restarting; retry shortly"]
+    assert_server_stopped_once(stops)
+    assert hangs(metrics) == 1
+    assert failed(metrics, "engine_dead") == 1 and failed(metrics, "engine_error") == 0
+    assert not runner.accepting and runner.engine_dead_message() == sink.errors[0]  # what execute() answers now
+    assert "vLLM's engine hung: it made no progress for 1 s with 1 request in flight" in error.text()
+    runner.stop(drain_timeout_s=30)
+    assert runner._thread is None and engine.shutdowns == 1
+
+
+def test_the_hang_check_is_off_where_vllm_has_no_outputs_to_watch(fake_vllm: None):
+    runner, info, _, _, _ = make_runner(engine_hang_timeout_s=5)
+    assert start_in_thread(runner) == [None]  # FakeEngine's engine core has no get_output_async
+    assert runner._stall.timeout_s == 0
+    assert "engine_hang_timeout_s is off" in info.text()
+    runner.stop(drain_timeout_s=30)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_stall_watch_judges_only_the_time_the_engine_had_work():
+    clock = Clock()
+    watch = watchdog.StallWatch(5, clock)
+    clock.now += 3600  # idle for an hour: no work, no hang
+    assert watch.check([]) is None
+    assert watch.check([clock.now]) is None  # a request just handed over is not judged by the idle hour
+    handed = clock.now
+    clock.now += 4
+    assert watch.check([handed]) is None
+    watch.progressed()  # a step: the clock starts again
+    clock.now += 4
+    assert watch.check([handed, clock.now]) is None
+    clock.now += 1
+    assert watch.check([handed, clock.now]) == "it made no progress for 5 s with 2 requests in flight"
+    clock.now += 60
+    assert watch.check([handed]) is None  # once
+
+
+def test_stall_watch_with_timeout_zero_is_off():
+    clock = Clock()
+    watch = watchdog.StallWatch(0, clock)
+    handed = clock.now
+    clock.now += 10**6
+    assert watch.check([handed]) is None
+
+
+def test_watch_outputs_reports_each_batch_and_passes_it_on():
+    seen: list[int] = []
+
+    async def get_output_async() -> str:
+        return "outputs"
+
+    engine = SimpleNamespace(engine_core=SimpleNamespace(get_output_async=get_output_async))
+    assert watchdog.watch_outputs(engine, lambda: seen.append(1))
+    assert asyncio.run(engine.engine_core.get_output_async()) == "outputs"
+    assert asyncio.run(engine.engine_core.get_output_async()) == "outputs"
+    assert seen == [1, 1]
+    assert not watchdog.watch_outputs(SimpleNamespace(engine_core=SimpleNamespace()), lambda: None)
+    assert not watchdog.watch_outputs(SimpleNamespace(), lambda: None)
+
+
+def test_a_hung_engines_error_is_unavailable_at_the_gateway():
+    from llmhost.gateway.upstream import classify
+
+    message = watchdog.client_message(watchdog.hang_cause(300, 3), restarting=True)
+    assert message == ("the model's engine stopped (it made no progress for 300 s with 3 requests in flight); "
+                       "the server is restarting; retry shortly")
+    assert classify(message).status == 503
+
+
+@pytest.mark.parametrize(("value", "problem"), [(-1, ">= 0"), ("300", "a number"), (True, "a number")])
+def test_engine_hang_timeout_must_be_a_number_of_seconds(value: Any, problem: str):
+    from llmhost.backend.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"llmhost.engine_hang_timeout_s must be {problem}"):
+        parse_model_config({"model": "/m", "llmhost": {"engine_hang_timeout_s": value}})
+    assert parse_model_config({"model": "/m"}).settings.engine_hang_timeout_s == 300
+    off = parse_model_config({"model": "/m", "llmhost": {"engine_hang_timeout_s": 0}})
+    assert off.settings.engine_hang_timeout_s == 0

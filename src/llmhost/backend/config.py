@@ -72,6 +72,14 @@ class BackendSettings:
     # the model only answers errors (and Triton still calls it ready) until the
     # server is restarted by hand; for a server whose other models must not restart.
     exit_server_on_engine_death: bool = True
+    # Seconds vLLM's engine may hold requests without handing back anything (an
+    # output, a step's statistics) before it counts as hung: a stuck GPU kernel or
+    # collective, a deadlocked or stopped EngineCore. It is then handled as a dead
+    # one (exit_server_on_engine_death, ENABLE_VLLM_HEALTH_CHECK). A healthy engine
+    # hands something back every step; its longest silence is one step, or, with the
+    # model's metrics off, one prompt's whole chunked prefill (seconds, a minute for
+    # the longest contexts on a slow GPU): 300 s stays far above that. 0: off.
+    engine_hang_timeout_s: float = 300.0
     # The GPUs (CUDA_VISIBLE_DEVICES, e.g. "2,3") of a model served KIND_MODEL, set
     # before vLLM starts; the roles write the model's `gpus` here. "": the server's.
     # Under KIND_GPU Triton pins each instance to one GPU itself.

@@ -23,7 +23,7 @@ from llmhost.backend.errors import RequestError
 from llmhost.backend.failures import ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, SHUTTING_DOWN, classify
 from llmhost.backend.images import no_images_here
 from llmhost.backend.lora import find_adapter, lora_request
-from llmhost.backend.metrics import ServingMetrics
+from llmhost.backend.metrics import ENGINE_HANGS, ServingMetrics
 from llmhost.backend.outputs import Position, position, positions
 from llmhost.backend.prompts import (
     UTF8_MAX_BYTES,
@@ -38,9 +38,11 @@ from llmhost.backend.tokens import tokens_answer
 from llmhost.backend.watchdog import (
     WATCH_INTERVAL_S,
     EngineWatch,
+    StallWatch,
     client_message,
     engine_death_cause,
     stop_tritonserver,
+    watch_outputs,
 )
 from llmhost.server.stopfile import mark_drained, stop_file_from_env, stop_requested
 
@@ -120,6 +122,9 @@ class Active:
     request_id: str
     task: asyncio.Task[None] | None = None
     last_check: float = field(default_factory=time.monotonic)
+    # When the request was handed to vLLM's engine (time.monotonic()); None before
+    # (tokenizing, fetching images): what the hang check counts as the engine's work.
+    handed_over: float | None = None
 
 
 def request_label(request_id: str, client_id: str) -> str:
@@ -215,6 +220,7 @@ class EngineRunner:
         self._limits: RequestLimits | None = None
         self._stop_server = stop_server or stop_tritonserver
         self._watch = EngineWatch()
+        self._stall = StallWatch(config.settings.engine_hang_timeout_s)
         # Draining: set once the server is stopping (stopfile) or the model unloads.
         self._stop_file = stop_file if stop_file is not None else stop_file_from_env()
         self._server_pid = os.getppid() if server_pid is None else server_pid
@@ -305,6 +311,12 @@ class EngineRunner:
                 self._shutdown_engine()
             ready.set()
             return
+        if self._stall.timeout_s > 0 and not watch_outputs(self._engine, self._stall.progressed):
+            # Without the engine's own outputs, a long request not streamed shows no
+            # progress until it ends: judging by the requests alone would stop a
+            # healthy server.
+            self._stall.timeout_s = 0
+            self.log("engine_hang_timeout_s is off: this vLLM's client has no get_output_async to watch")
         loop_type = type(asyncio.get_running_loop())
         if not loop_type.__module__.startswith("asyncio"):  # the experiment switch: say which loop runs
             self.log(f"engine event loop: {loop_type.__module__}.{loop_type.__qualname__}")
@@ -325,13 +337,21 @@ class EngineRunner:
 
     # -- watchdog -------------------------------------------------------------
     async def _watchdog(self) -> None:
-        """About once a second: vLLM's own verdict on its engine, whether the server
-        is being stopped (stopfile), and whether a drain's time is over."""
+        """About once a second: vLLM's own verdict on its engine, whether it made
+        progress with the requests it holds, whether the server is being stopped
+        (stopfile), and whether a drain's time is over."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             cause = self._watch.check(self._engine)
             if cause is not None:
                 await self._engine_died(cause)
+                return
+            with self.active_lock:
+                handed_over = [a.handed_over for a in self.active.values() if a.handed_over is not None]
+            cause = self._stall.check(handed_over)
+            if cause is not None:
+                self.metrics.inc(ENGINE_HANGS)
+                await self._engine_died(cause, "hung")
                 return
             if not self._server_stopping and stop_requested(self._stop_file, self._server_pid):
                 self._server_stopping = True
@@ -400,14 +420,14 @@ class EngineRunner:
         sink.fail(message, ENGINE_DEAD)
         return True
 
-    async def _engine_died(self, cause: str) -> None:
+    async def _engine_died(self, cause: str, what: str = "died") -> None:
         restart = self.config.settings.exit_server_on_engine_death
         self.accepting = False
         if self.dead_message is None:
             self.dead_message = self._death_message or client_message(cause, restart)
         with self.active_lock:
             tasks = [a.task for a in self.active.values() if a.task is not None]
-        self.log_error(f"vLLM's engine died: {cause}. Failing {len(tasks)} request(s) in flight and every new one"
+        self.log_error(f"vLLM's engine {what}: {cause}. Failing {len(tasks)} request(s) in flight and every new one"
                        + ("; stopping tritonserver so that its supervisor restarts it" if restart else
                           " until the server is restarted (exit_server_on_engine_death is false)")
                        + (" unless the health check unloads the model" if self._on_engine_death else ""))
@@ -604,6 +624,7 @@ class EngineRunner:
         from vllm.pooling_params import PoolingParams
 
         final = None
+        active.handed_over = time.monotonic()
         async for out in self._engine.encode(prompt, PoolingParams(task="embed"), active.request_id):
             final = out
         if final is None or not final.finished:
@@ -655,6 +676,7 @@ class EngineRunner:
             # The adapter, when the request names one (checked again: the model's adapters are fixed at load).
             lora = ({"lora_request": lora_request(find_adapter(job.lora_name, self.config.adapters))}
                     if job.lora_name is not None else {})
+            active.handed_over = time.monotonic()
             async for out in self._engine.generate(prompt, params, active.request_id, **lora, **reasoning):
                 # The prompt as the engine counts it: a multimodal model's image
                 # placeholders are expanded there (vLLM's server counts them as prompt

@@ -88,6 +88,12 @@ RESPONSE_DELAY = "llmhost:response_delay_seconds"
 RESPONSE_DELAY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 SPECS += (MetricSpec(RESPONSE_DELAY, "histogram", "Time from an engine output to its response leaving the "
                      "backend (to tritonserver or the engine socket).", RESPONSE_DELAY_BUCKETS),)
+# Times the engine held requests and made no progress for engine_hang_timeout_s
+# (watchdog.py); each is followed by the restart of the server, which starts the
+# series again at 0.
+ENGINE_HANGS = "llmhost:engine_hangs_total"
+SPECS += (MetricSpec(ENGINE_HANGS, "counter", "Times vLLM's engine made no progress for engine_hang_timeout_s "
+                     "with requests in flight; the server then restarts."),)
 SPEC_BY_NAME = {s.name: s for s in SPECS}
 
 

@@ -522,8 +522,12 @@ class TritonPythonModel:
         from llmhost.backend.watchdog import stop_tritonserver
 
         io = getattr(self, "io", None)
-        if io is not None and not io.wait_sent(SEND_BEFORE_STOP_S):
-            log(f"responses still queued after {SEND_BEFORE_STOP_S:g} s; stopping tritonserver anyway")
+        if io is not None:
+            if not io.wait_sent(SEND_BEFORE_STOP_S):
+                log(f"responses still queued after {SEND_BEFORE_STOP_S:g} s; stopping tritonserver anyway")
+            # The failed requests and the hang count reach /metrics before the stop,
+            # not only at the next periodic push.
+            io.push.flush(_pb())
         return stop_tritonserver(log)
 
     def _drained_when_sent(self) -> None:

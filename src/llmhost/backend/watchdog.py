@@ -11,13 +11,21 @@ one with a clear message, then asks the parent tritonserver to shut down
 (``stop_tritonserver``) so its supervisor (systemd, ``llmhost serve``) restarts it:
 Triton 2.51's python backend has no way for a model to mark itself not ready, and
 a process whose engine hit a CUDA error is usually unusable anyway.
+
+A hung engine (a stuck GPU kernel or collective, a deadlocked or stopped EngineCore)
+is not dead: vLLM's client waits for its outputs forever. ``StallWatch`` notices
+it: while requests are with the engine, the engine must hand back something (an
+output of any request, or a step's statistics) every ``engine_hang_timeout_s``;
+when it does not, the runner treats the engine as dead (the same errors, the same
+server stop and restart) and counts the hang (``llmhost:engine_hangs_total``).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 WATCH_INTERVAL_S = 1.0
@@ -77,6 +85,68 @@ class EngineWatch:
             return None
         self.cause = self._cause_of(engine)
         return self.cause
+
+
+def hang_cause(timeout_s: float, in_flight: int) -> str:
+    """The cause a hung engine's clients read (inside client_message's parentheses)."""
+    return (f"it made no progress for {timeout_s:g} s with {in_flight} request{'' if in_flight == 1 else 's'} "
+            "in flight")
+
+
+class StallWatch:
+    """The decision part of hang detection: fed the engine's progress and the times
+    its requests in flight were handed to it, tells once that it hung.
+
+    The engine hung when it has had work for TIMEOUT_S (its oldest request in flight
+    was handed to it that long ago) and produced nothing for as long: the clock
+    starts at the later of its last progress and that request's hand-over, so an
+    engine idle for hours is not judged by its first new request. 0 turns it off."""
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self.last_progress = clock()
+        self.cause: str | None = None
+
+    def progressed(self) -> None:
+        """The engine handed back an output or a step's statistics (any thread)."""
+        self.last_progress = self._clock()
+
+    def check(self, handed_over: Iterable[float]) -> str | None:
+        """The cause the first time the engine is seen hung; None before and after.
+        HANDED_OVER: when each request now in flight was handed to the engine."""
+        if self.cause is not None or self.timeout_s <= 0:
+            return None
+        times = list(handed_over)
+        if not times:
+            return None
+        since = max(self.last_progress, min(times))
+        if self._clock() - since < self.timeout_s:
+            return None
+        self.cause = hang_cause(self.timeout_s, len(times))
+        return self.cause
+
+
+def watch_outputs(engine: Any, on_output: Callable[[], None]) -> bool:
+    """Call ON_OUTPUT each time vLLM's client takes a batch of outputs from its engine
+    (``AsyncLLM``'s output loop awaits ``engine_core.get_output_async()`` for every
+    engine step that had something to say). False when this vLLM has no such method
+    (an internal API)."""
+    core = getattr(engine, "engine_core", None)
+    original = getattr(core, "get_output_async", None)
+    if original is None or not callable(original):
+        return False
+
+    async def get_output_async() -> Any:
+        outputs = await original()
+        on_output()
+        return outputs
+
+    try:
+        core.get_output_async = get_output_async  # type: ignore[union-attr]
+    except (AttributeError, TypeError):
+        return False
+    return True
 
 
 def parent_comm(ppid: int) -> str:
