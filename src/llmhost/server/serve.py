@@ -288,7 +288,7 @@ class RestartLimit:
 def exit_reason(rc: int) -> str:
     if rc == 0:
         return ("exited by itself (status 0) without being asked to stop: a model's engine died "
-                "and the backend stopped the server (its log above says why)")
+                "or hung and the backend stopped the server (its log above says why)")
     if rc < 0:
         return describe_exit(rc)
     return f"exited with status {rc}"
