@@ -1,15 +1,24 @@
 """LoRA on a real server: adapters from multi_lora.json picked per request by
 `lora_name`, the errors for an unknown adapter and for LoRA off, and a bad
-multi_lora.json failing the load with a message naming it."""
+multi_lora.json failing the load with a message naming it. Through the gateway
+(over gRPC, as from another host) with the official openai client: each adapter a
+model of its own, listed with its base model as parent and asked for by name, and
+the keys' model scopes applied to adapters."""
 
 from __future__ import annotations
 
+import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.e2e._client import generate, grpc_stream, sampling, stream, texts
 from tests.e2e._servers import LORA_ARGS
+from tests.harness.gateway import KEY, start_gateway, stop_gateway
+from tests.harness.net import CLIENT_TIMEOUT_S, free_port
 from tests.harness.server import Server, start_server
 
 PROMPT = "def parse(line):"
@@ -100,3 +109,82 @@ def test_bad_multi_lora_json_fails_the_load(tiny_model: Path, tmp_path: Path, co
     load_errors = [line for line in log.splitlines() if "failed to load 'tiny' version" in line]
     assert load_errors, log[-4000:]
     assert needle in load_errors[0], load_errors
+
+
+# A key of the gateway's keys file scoped to the base model alone.
+BASE_ONLY_KEY = "base-only-key-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def gateway_url(lora_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The OpenAI base URL of a gateway in front of the LoRA server over gRPC only (the
+    adapters' names reach it through Triton's API, as on another host), with KEY
+    (every model) and BASE_ONLY_KEY (scoped to the base model)."""
+    from llmhost.gateway.keys import hash_key
+
+    work = tmp_path_factory.mktemp("lora-gateway")
+    keys = work / "keys.json"
+    keys.write_text(json.dumps({"keys": [
+        {"name": "tester", "sha256": hash_key(KEY)},
+        {"name": "base-only", "sha256": hash_key(BASE_ONLY_KEY), "models": [lora_server.name]}]}))
+    port, log = free_port(), work / "gateway.log"
+    url = f"http://127.0.0.1:{port}/v1"
+    cmd = [str(Path(sys.executable).parent / "llmhost"), "gateway", "--upstream", lora_server.grpc,
+           "--listen", f"127.0.0.1:{port}", "--keys-file", str(keys), "--model", lora_server.name,
+           "--metrics-listen", f"127.0.0.1:{free_port()}"]
+    proc = start_gateway(cmd, log, url)
+    yield url
+    stop_gateway(proc, log)
+
+
+def _client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=CLIENT_TIMEOUT_S)
+
+
+def test_openai_models_lists_adapters_with_their_base_model(lora_server: Server, gateway_url: str):
+    models = {m.id: m for m in _client(gateway_url).models.list()}
+    assert list(models) == [lora_server.name, "alpha", "beta"]
+    for name in ("alpha", "beta"):
+        assert models[name].model_extra == {"root": name, "parent": lora_server.name}
+    assert _client(gateway_url).models.retrieve("beta").model_extra["parent"] == lora_server.name
+
+
+def test_openai_adapter_as_model_answers_as_the_native_lora_name(lora_server: Server, gateway_url: str):
+    client = _client(gateway_url)
+    greedy = {"max_tokens": 12, "temperature": 0}
+    alpha = client.completions.create(model="alpha", prompt=PROMPT, **greedy)
+    assert alpha.model == "alpha"
+    assert alpha.choices[0].text == _text(lora_server, lora_name="alpha")
+    base = client.completions.create(model=lora_server.name, prompt=PROMPT, **greedy)
+    assert base.choices[0].text == _text(lora_server) != alpha.choices[0].text
+    beta = client.completions.create(model="beta", prompt=PROMPT, **greedy)
+    assert beta.choices[0].text == _text(lora_server, lora_name="beta")
+
+    messages = [{"role": "user", "content": PROMPT}]
+    native = generate(lora_server, messages=json.dumps(messages), max_tokens=12, temperature=0, lora_name="alpha")
+    assert native["_status"] == 200, native
+    chat = client.chat.completions.create(model="alpha", messages=messages, **greedy)  # type: ignore[arg-type]
+    assert chat.model == "alpha"
+    assert chat.choices[0].message.content == native["text_output"]
+    streamed = client.chat.completions.create(model="alpha", messages=messages, stream=True,  # type: ignore[arg-type]
+                                              **greedy)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == native["text_output"]
+    plain = client.chat.completions.create(model=lora_server.name, messages=messages, **greedy)  # type: ignore[arg-type]
+    assert plain.choices[0].message.content != native["text_output"]
+
+
+def test_openai_adapter_outside_a_keys_scope_or_unknown_is_404(lora_server: Server, gateway_url: str):
+    scoped = _client(gateway_url, BASE_ONLY_KEY)
+    assert [m.id for m in scoped.models.list()] == [lora_server.name]
+    for client, name in ((scoped, "alpha"), (_client(gateway_url), "gamma")):
+        with pytest.raises(openai.NotFoundError) as err:
+            client.completions.create(model=name, prompt=PROMPT, max_tokens=2)
+        assert err.value.code == "model_not_found"
+        assert f"The model '{name}' does not exist" in err.value.message
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve(name)
+    with pytest.raises(openai.BadRequestError) as bad:
+        _client(gateway_url).completions.create(model="alpha", prompt=PROMPT, max_tokens=2,
+                                                extra_body={"lora_name": "beta"})
+    assert bad.value.param == "lora_name"
+    assert scoped.completions.create(model=lora_server.name, prompt=PROMPT, max_tokens=2).choices

@@ -146,7 +146,6 @@ ADMIN_CALLS = [
     ("GET", "/v2/systemsharedmemory/status", None),
     ("GET", "/v2/cudasharedmemory/status", None),
     ("GET", "/v2/models/tiny/stats", None),
-    ("GET", "/v2/models/tiny/config", None),
 ]
 
 
@@ -230,7 +229,6 @@ def test_grpc_admin_protocols_need_the_key(converged: Converged, admin_key: str)
         "model-repository": lambda h: client.get_model_repository_index(headers=h),
         "shared-memory": lambda h: client.get_system_shared_memory_status(headers=h),
         "statistics": lambda h: client.get_inference_statistics("tiny", headers=h),
-        "model-config": lambda h: client.get_model_config("tiny", headers=h),
     }
     try:
         for name, call in calls.items():
@@ -241,13 +239,16 @@ def test_grpc_admin_protocols_need_the_key(converged: Converged, admin_key: str)
         # Health, metadata and inference need no key.
         assert client.is_server_ready() and client.is_model_ready("tiny")
         assert client.get_server_metadata().version and client.get_model_metadata("tiny").name == "tiny"
+        # The model's configuration too: the gateway reads the LoRA adapters it publishes there.
+        assert client.get_model_config("tiny").config.name == "tiny"
     finally:
         client.close()
 
 
 def test_health_metadata_and_inference_stay_open(converged: Converged):
     base = converged.triton_http
-    for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/tiny/ready", "/v2", "/v2/models/tiny"):
+    for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/tiny/ready", "/v2", "/v2/models/tiny",
+                 "/v2/models/tiny/config"):
         r = requests.get(f"{base}{path}", timeout=10)
         assert r.status_code == 200, (path, r.status_code, r.text)
     r = requests.post(f"{base}/v2/models/tiny/generate", json={"text_input": "def f():", "max_tokens": 4},

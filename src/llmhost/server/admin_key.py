@@ -22,8 +22,11 @@ import secrets
 import sys
 from pathlib import Path
 
-# The API groups that need the key (Triton's names, the same on HTTP and gRPC).
-RESTRICTED_APIS = ("model-repository", "model-config", "statistics", "trace", "logging", "shared-memory")
+# The API groups that need the key (Triton's names, the same on HTTP and gRPC). Not
+# model-config: reading a model's configuration changes nothing, config.pbtxt is
+# world-readable on the host, and the gateway reads the LoRA adapters a model
+# publishes there without holding the key.
+RESTRICTED_APIS = ("model-repository", "statistics", "trace", "logging", "shared-memory")
 # The HTTP header that carries the key; on gRPC Triton expects the metadata key
 # triton-grpc-protocol-<HEADER>.
 HEADER = "llmhost-admin-key"
