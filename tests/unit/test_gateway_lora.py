@@ -209,3 +209,18 @@ def test_the_grpc_upstream_reads_adapters_from_the_model_configuration():
         assert pool.adapters("m") == ["alpha"] and pool.adapters("n") == []
 
     asyncio.run(run())
+
+
+def test_an_adapter_tokenizes_as_its_base_model():
+    fake = LoraFake({"m": ["alpha"]})
+
+    async def run() -> None:
+        async with client(_app(fake)) as c:
+            r = await c.post("/detokenize", json={"model": "alpha", "tokens": [1, 2]})
+            assert r.status_code == 200, r.text
+            r = await c.post("/detokenize", json={"model": "gamma", "tokens": [1, 2]})
+            assert r.status_code == 404, r.text
+        (asked,) = fake.seen
+        assert asked.model == "m" and "lora_name" not in asked.sampling
+
+    asyncio.run(run())
