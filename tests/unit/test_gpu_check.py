@@ -33,7 +33,7 @@ def test_kind_model_entry_has_the_keys_the_roles_render_with():
     context = yaml.safe_load(text)["_model_repository_context"]
     # Only when the inventory sets them:
     keys = set(re.findall(r"'(\w+)':", context)) - {"gpus", "dtype", "report_custom_metrics",
-                                                          "enable_vllm_health_check"}
+                                                          "enable_vllm_health_check", "lora_adapters"}
     entry = gpu_check.roles_model_entry(Path("/srv/m"))
     assert set(entry) == keys
     # The roles take the kind from llmhost.server.placement (filter llmhost_placement).
