@@ -13,6 +13,11 @@ llmhost_cuda_match: the CUDA build of vLLM/PyTorch for a host, chosen by llmhost
 The result is ``llmhost.cuda.match_report``'s report: ``status`` is ``match`` (with
 ``match``: tag, cuda, min_driver, packages, torch_index_url, vllm_index_url, ...),
 ``no_driver``, ``driver_too_old`` or ``error``, and ``error`` says why.
+With ``lock`` (a hash-locked requirements file's text or pin lines) the choice is the lock's one build:
+its CUDA version (``lock_cuda`` in the report, from its torch pins) is the only variant, so
+``match`` means the driver runs the lock; a lock without a CUDA torch is an ``error``.
+
+    {{ matrix | llmhost_cuda_match(vllm='0.32.0', smi=nvidia_smi_stdout, lock=lock_pins) }}
 
 llmhost_placement: the models' Triton instance kind and GPUs, by llmhost.server.placement (the
 rule of ``llmhost placement`` and ``llmhost serve``); the model_repository role uses it.
@@ -53,18 +58,30 @@ def _load(name):
     return module
 
 
-def llmhost_cuda_match(matrix, vllm=None, smi=None, cuda_version=None, minor_compat=False):
-    """``smi``: plain nvidia-smi output; ``cuda_version`` instead: the driver's CUDA version, as given."""
+def llmhost_cuda_match(matrix, vllm=None, smi=None, cuda_version=None, minor_compat=False, lock=None):
+    """``smi``: plain nvidia-smi output; ``cuda_version`` instead: the driver's CUDA version, as given;
+    ``lock``: the hash-locked requirements file that will be installed, as its text or its pin lines."""
     cuda = _load("cuda")
+    if lock and not isinstance(lock, str):
+        lock = "\n".join(lock)
 
     def get_info():
         return cuda.given_info(str(cuda_version)) if cuda_version else cuda.smi_text_info(smi or "")
 
+    lock_cuda = cuda.lock_cuda(lock) if lock else None
     try:
-        _, report = cuda.match_report(get_info, cuda.parse_matrix(matrix), vllm or None,
-                                      minor_compat=bool(minor_compat))
+        parsed = cuda.parse_matrix(matrix)
+        if lock and not lock_cuda:
+            return {"vllm": vllm, "detected": None, "match": None, "status": "error", "lock_cuda": None,
+                    "error": "the lock pins no CUDA build of torch (torch==VERSION+cuXYZ, or torch with "
+                             "cuda-toolkit / nvidia-cuda-runtime pins)"}
+        if lock_cuda:
+            parsed = cuda.for_build(parsed, lock_cuda, vllm or None)
+        _, report = cuda.match_report(get_info, parsed, vllm or None, minor_compat=bool(minor_compat))
     except cuda.MatrixError as exc:
-        return {"vllm": vllm, "detected": None, "match": None, "status": "error", "error": str(exc)}
+        return {"vllm": vllm, "detected": None, "match": None, "status": "error", "error": str(exc),
+                "lock_cuda": lock_cuda}
+    report["lock_cuda"] = lock_cuda
     return report
 
 

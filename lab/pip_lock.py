@@ -4,12 +4,17 @@ One resolve of the engine, Triton's Python packages and llmhost's own
 dependencies (roles/python_env/files/locks/<profile>.in), with
 `uv pip compile --generate-hashes`: the numpy and protobuf that Triton's
 packages need come from overrides.txt, the CUDA-only wheels the role removes
-on profile cpu (python_env_cpu_remove_packages) are left out. The indexes are
+on profile cpu (python_env_cpu_remove_packages) are left out. Profile gpu
+(gpu.in) locks the default build the package index serves: vLLM's unsuffixed
+wheel and the torch it is built against, a CUDA build (its nvidia-* runtime
+wheels are on the same index); the header names its CUDA version, which the
+role's preflight checks the driver against. The indexes are
 the ones this machine's pip is configured with (`pip config list`), read at
 run time and never written into the lock: the lock holds `name==version` lines
 with their hashes, nothing else.
 
     python -m lab.pip_lock --profile cpu --python-version 3.11
+    python -m lab.pip_lock --profile gpu --python-version 3.12
 """
 
 import argparse
@@ -21,6 +26,8 @@ import sys
 from pathlib import Path
 
 import yaml
+
+from llmhost import cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCKS = ROOT / "roles" / "python_env" / "files" / "locks"
@@ -41,8 +48,9 @@ def pip_sources(config_text):
     return found
 
 
-def uv_argv(uv, profile, python_version, platform, sources, out):
-    """The uv command line that makes the lock of profile for python_version."""
+def uv_argv(uv, profile, python_version, platform, sources, out, requirements=None):
+    """The uv command line that makes the lock of profile for python_version (from
+    requirements, default locks/<profile>.in)."""
     argv = [
         uv, "pip", "compile", "--no-config", "--quiet",
         "--generate-hashes", "--no-header",
@@ -61,7 +69,7 @@ def uv_argv(uv, profile, python_version, platform, sources, out):
         argv += ["--extra-index-url", url]
     for link in sources.get("find-links", []):
         argv += ["--find-links", link]
-    return [*argv, "-o", str(out), str(LOCKS / f"{profile}.in")]
+    return [*argv, "-o", str(out), str(requirements or LOCKS / f"{profile}.in")]
 
 
 def check_lock(text):
@@ -85,23 +93,35 @@ def main(argv=None):
     ap.add_argument("--platform", default="x86_64-manylinux_2_35",
                     help="uv's --python-platform (nvidia-pytriton 0.7.0 needs glibc 2.35)")
     ap.add_argument("--uv", default=shutil.which("uv") or str(Path(sys.executable).parent / "uv"))
+    ap.add_argument("-i", "--input", type=Path,
+                    help="the requirements to lock (default locks/<profile>.in; e.g. another CUDA build's)")
     ap.add_argument("-o", "--output", type=Path)
     args = ap.parse_args(argv)
-    if not (LOCKS / f"{args.profile}.in").exists():
-        ap.error(f"{LOCKS / (args.profile + '.in')} does not exist: write the profile's requirements first")
+    requirements = args.input or LOCKS / f"{args.profile}.in"
+    if not requirements.exists():
+        ap.error(f"{requirements} does not exist: write the profile's requirements first")
     out = args.output or LOCKS / f"{args.profile}-py{args.python_version}.txt"
     config = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
                             capture_output=True, text=True, check=True).stdout
-    cmd = uv_argv(args.uv, args.profile, args.python_version, args.platform, pip_sources(config), out)
+    cmd = uv_argv(args.uv, args.profile, args.python_version, args.platform, pip_sources(config), out, requirements)
     print("+", shlex.join(cmd), file=sys.stderr)
-    subprocess.run(cmd, check=True)
+    if subprocess.run(cmd, check=False).returncode != 0:
+        print(f"{out}: uv found no resolution for profile {args.profile} on Python {args.python_version}"
+              " (its reason above)", file=sys.stderr)
+        return 1
     body = out.read_text()
     head = (f"# The serving venv of profile {args.profile} on Python {args.python_version} ({args.platform}),\n"
             f"# hash-locked: made by `make lock` (python -m lab.pip_lock --profile {args.profile}"
             f" --python-version {args.python_version}).\n"
             "# Installed by the python_env role with pip install --require-hashes --no-deps -r.\n")
+    lock_cuda = cuda.lock_cuda(body)
+    if lock_cuda:
+        head += (f"# torch is a CUDA {lock_cuda} build: preflight refuses a driver that cannot run it"
+                 " (llmhost gpu-info).\n")
     out.write_text(head + body)
     problems = check_lock(body)
+    if args.profile == "gpu" and not lock_cuda:
+        problems.append("torch is not a CUDA build (no +cuXYZ, no cuda-toolkit or nvidia-cuda-runtime pin)")
     if problems:
         print(f"{out}: " + "; ".join(problems), file=sys.stderr)
         return 1

@@ -548,6 +548,48 @@ def choose(driver_cuda: str, driver_version: str | None, matrix: Matrix, vllm: s
     )
 
 
+_LOCK_PIN = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==(?P<version>[^\s;\\]+)", re.M)
+
+
+def lock_cuda(lock_text: str) -> str | None:
+    """The CUDA version (``"13.0"``) a hash-locked requirements file's torch is built for, or None.
+
+    From torch's local version (``torch==2.13.0+cu130``), else from the CUDA runtime the lock
+    pins for torch (``cuda-toolkit==13.0.3.0``, ``nvidia-cuda-runtime-cu12==12.8.90``). None:
+    no torch, or a CPU build (``+cpu``, or no CUDA runtime at all).
+    """
+    pins = {re.sub(r"[-_.]+", "-", m["name"]).lower(): m["version"] for m in _LOCK_PIN.finditer(lock_text)}
+    torch = pins.get("torch")
+    if torch is None:
+        return None
+    local = torch.partition("+")[2]
+    if local:
+        m = re.fullmatch(r"cu(\d+)(\d)", local)
+        return f"{int(m[1])}.{m[2]}" if m else None
+    for name in ("cuda-toolkit", "nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime-cu12",
+                 "nvidia-cuda-runtime-cu11"):
+        m = re.match(r"(\d+)\.(\d+)", pins.get(name, ""))
+        if m:
+            return f"{int(m[1])}.{int(m[2])}"
+    return None
+
+
+def for_build(matrix: Matrix, cuda: str, vllm: str | None = None) -> Matrix:
+    """The matrix with only the variant of vLLM ``vllm`` built for CUDA ``cuda`` ("13.0"):
+    what ``choose`` then answers is whether the driver runs that one build (a lock's).
+
+    A CUDA version the matrix does not list becomes a variant of its own that needs only a
+    driver reporting that CUDA version (its minimum driver is not known here).
+    """
+    release = matrix.release(vllm)
+    want = version_tuple(cuda)[:2]
+    variants = tuple(v for v in release.variants if version_tuple(v.cuda)[:2] == want)
+    if not variants:
+        variants = (Variant(tag="cu" + "".join(str(n) for n in want), cuda=cuda, min_driver="0",
+                            minor_compat_min_driver="0", torch_index_url=None, vllm_index_url=None, packages=()),)
+    return Matrix(default_vllm=release.vllm, releases={release.vllm: Release(release.vllm, release.torch, variants)})
+
+
 def given_info(cuda_version: str, driver_version: str | None = None) -> DriverInfo:
     """What is known without asking the driver: its CUDA version and maybe its version."""
     return DriverInfo(driver_version=driver_version or "", cuda_version=cuda_version, source="given")

