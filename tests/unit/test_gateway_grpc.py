@@ -335,3 +335,41 @@ def test_tls_with_the_gateways_certificate_and_a_renewed_one_for_new_connections
             await server.stop(None)
 
     asyncio.run(go())
+
+
+class _Broken(Fake):
+    """An upstream whose streams fail in a way the gateway does not expect."""
+
+    async def native_stream(self, model: str, line: dict[str, Any], msg: Any
+                            ) -> AsyncIterator[tuple[str, dict[str, list[Any]]]]:
+        raise RuntimeError("a bug")
+        yield "1", {}
+
+
+def test_a_failure_of_the_gateways_own_ends_the_request_as_internal_and_the_stream_goes_on(
+        capsys: pytest.CaptureFixture[str]):
+    async def calls(stub: Any, records: list[RequestRecord]) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.ModelInfer(_request(), metadata=AUTH)
+        assert _code(caught.value) == grpc.StatusCode.INTERNAL
+        assert caught.value.details() == "internal error: RuntimeError; the gateway log has the details"
+        got = await _stream(stub, _request(), _request("other"))
+        assert sorted(r.error_message.split(":")[0] for r in got) == ["Request for unknown model", "internal error"]
+
+    records = _serve(_Broken(), calls)
+    assert sorted(r.status for r in records) == [404, 500, 500]
+    assert "gRPC ModelStreamInfer: internal error: RuntimeError: a bug" in capsys.readouterr().err
+
+
+def test_sampling_parameters_nested_too_deep_for_the_gateway_are_the_backends_to_refuse():
+    fake = Fake()
+    deep = "[" * 1500 + "]" * 1500  # deeper than Python's recursion limit
+
+    async def calls(stub: Any, records: list[RequestRecord]) -> None:
+        msg = _request()
+        msg.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1])
+        msg.raw_input_contents.append(_bytes(deep))
+        assert decode_outputs(await stub.ModelInfer(msg, metadata=AUTH))["text_output"] == ["hello"]
+
+    _serve(fake, calls)
+    assert len(fake.seen) == 1

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import ssl
 import struct
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from pathlib import Path
@@ -286,9 +287,9 @@ class GrpcDoor(service_pb2_grpc.GRPCInferenceServiceServicer):
         except ApiError as exc:
             status = exc.status
             await context.abort(grpc_code(exc.status), exc.message)
-        except Exception:
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: INTERNAL, said in the log
             status = 500
-            raise
+            await context.abort(grpc.StatusCode.INTERNAL, _internal(method, exc))
         finally:
             call.close(status)
 
@@ -424,11 +425,18 @@ class GrpcDoor(service_pb2_grpc.GRPCInferenceServiceServicer):
         except ApiError as exc:
             status = exc.status
             send(service_pb2.ModelStreamInferResponse(error_message=exc.message))
-        except Exception:
+        except Exception as exc:  # noqa: BLE001 - a bug of ours ends this request alone, said in the log
             status = 500
-            raise
+            send(service_pb2.ModelStreamInferResponse(error_message=_internal("ModelStreamInfer", exc)))
         finally:
             call.close(status)
+
+
+def _internal(method: str, exc: Exception) -> str:
+    """A failure of the gateway's own, said in its log; the message the client gets."""
+    print(f"llmhost gateway: gRPC {method}: internal error: {type(exc).__name__}: {str(exc)[:200]}",
+          file=sys.stderr, flush=True)
+    return f"internal error: {type(exc).__name__}; the gateway log has the details"
 
 
 def _unimplemented(name: str) -> Callable[..., Any]:

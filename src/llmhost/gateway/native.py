@@ -137,7 +137,7 @@ class NativeRequest:
             return {}
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return {}  # the backend names the problem
         return value if isinstance(value, dict) else {}
 
