@@ -26,10 +26,12 @@ DEMO_PROMETHEUS_PORT ?= 19090
 DEMO_NODE_EXPORTER_PORT ?= 19100
 DEMO_GATEWAY_PORT ?= 18080
 DEMO_GATEWAY_METRICS_PORT ?= 18081
+# Triton's gRPC API through the gateway (tritonclient.grpc with the API key as metadata).
+DEMO_GATEWAY_GRPC_PORT ?= 18082
 # The gateway's API key: random, made once (0600), never committed; the play hashes it.
 DEMO_GATEWAY_KEY_FILE ?= .cache/demo/gateway-api-key
 DEMO_GATEWAY_URL := http://127.0.0.1:$(DEMO_GATEWAY_PORT)/v1
-DEMO_PORT_VARS := {"triton_http_port": $(DEMO_HTTP_PORT), "triton_grpc_port": $(DEMO_GRPC_PORT), "triton_metrics_port": $(DEMO_METRICS_PORT), "prometheus_web_listen_address": "127.0.0.1:$(DEMO_PROMETHEUS_PORT)", "node_exporter_web_listen_address": "127.0.0.1:$(DEMO_NODE_EXPORTER_PORT)", "gateway_port": $(DEMO_GATEWAY_PORT), "gateway_metrics_port": $(DEMO_GATEWAY_METRICS_PORT), "gateway_demo_key_file": "$(abspath $(DEMO_GATEWAY_KEY_FILE))"}
+DEMO_PORT_VARS := {"triton_http_port": $(DEMO_HTTP_PORT), "triton_grpc_port": $(DEMO_GRPC_PORT), "triton_metrics_port": $(DEMO_METRICS_PORT), "prometheus_web_listen_address": "127.0.0.1:$(DEMO_PROMETHEUS_PORT)", "node_exporter_web_listen_address": "127.0.0.1:$(DEMO_NODE_EXPORTER_PORT)", "gateway_port": $(DEMO_GATEWAY_PORT), "gateway_metrics_port": $(DEMO_GATEWAY_METRICS_PORT), "gateway_grpc_port": $(DEMO_GATEWAY_GRPC_PORT), "gateway_demo_key_file": "$(abspath $(DEMO_GATEWAY_KEY_FILE))"}
 
 .PHONY: demo demo-host demo-provision demo-smoke demo-check demo-down demo-gateway-key
 
@@ -41,6 +43,7 @@ demo: demo-smoke
 	@echo "  metrics  http://127.0.0.1:$(DEMO_METRICS_PORT)/metrics"
 	@echo "  prometheus http://127.0.0.1:$(DEMO_PROMETHEUS_PORT)   (alerts: /alerts, targets: /targets)"
 	@echo "  OpenAI   $(DEMO_GATEWAY_URL)   (llmhost gateway; API key in $(DEMO_GATEWAY_KEY_FILE))"
+	@echo "  gRPC     127.0.0.1:$(DEMO_GATEWAY_GRPC_PORT)   (Triton's gRPC API through the gateway; metadata authorization: Bearer <key>)"
 	@echo "  grafana  not installed in the demo (no package source here); dashboards staged in the host under /var/lib/llmhost-monitoring/grafana"
 	@echo "  ssh      ssh -i $$($(TESTHOST) status --name $(DEMO_NAME) --state $(DEMO_STATE_BASE) | $(PYTHON) -c 'import json,sys; print(json.load(sys.stdin)["ssh_key"])') -p $(DEMO_SSH_PORT) -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null root@127.0.0.1"
 	@echo "  shell    $(TESTHOST) exec --state $(DEMO_STATE_BASE) --name $(DEMO_NAME) -- systemctl status tritonserver"

@@ -135,6 +135,10 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("CPU affinity not CPUs", {**keys({"name": "a", "key": KEY}), "gateway_cpu_affinity": "cores 1"},
      ("gateway_cpu_affinity", "CPU numbers or ranges")),
     ("port clash", {**keys({"name": "a", "key": KEY}), "gateway_port": 18081}, ("gateway_port",)),
+    ("gRPC port clash", {**keys({"name": "a", "key": KEY}), "gateway_grpc_port": 18080}, ("gateway_grpc_port",)),
+    ("plaintext gRPC on the network", {**keys({"name": "a", "key": KEY}), "gateway_grpc_port": 18082,
+                                       "gateway_grpc_listen_address": "0.0.0.0"},
+     ("gRPC API would take API keys and prompts in plaintext on", "0.0.0.0", "gateway_tls_cert_file")),
     ("plain HTTP on the network", {**keys({"name": "a", "key": KEY}), "gateway_listen_address": "0.0.0.0"},
      ("plain HTTP on 0.0.0.0", "gateway_tls_cert_file", "gateway_allow_plaintext: true")),
     ("plaintext not a boolean", {**keys({"name": "a", "key": KEY}), "gateway_allow_plaintext": "maybe"},
@@ -227,6 +231,7 @@ RENDERS: dict[str, dict[str, Any]] = {
     "play's CA, remote upstream": {**PLAYS_CA, "gateway_upstreams": ["10.0.0.1:8001"]},
     "play's CA, local upstream": {**PLAYS_CA, "gateway_upstreams": ["127.0.0.1:8001"]},
     "remote images": {**TINY, "gateway_allow_remote_images": True},
+    "gRPC": {**TLS, "gateway_grpc_port": 18082, "gateway_grpc_listen_address": "::"},
     "routing per model": {**ALICE, "llmhost_models": [{"name": "tiny", "source": "tiny"},
                                                       {"name": "embed", "source": "tiny"},
                                                       {"name": "qwen", "source": "tiny"}],
@@ -414,6 +419,13 @@ def test_metrics_follow_the_apis_tls_unless_told(renders: dict[str, Rendered]) -
     run = renders["plain"].run
     assert run.rc == 0, run.output
     assert "metrics-tls" not in renders["plain"].read("unit")
+
+
+def test_the_grpc_api_is_served_only_when_given_a_port(renders: dict[str, Rendered]) -> None:
+    unit = renders["gRPC"].read("unit")
+    assert "  --grpc-listen [::]:18082 \\\n" in unit
+    assert "--tls-cert /etc/ssl/llmhost-gateway/tls.crt" in unit  # the same TLS as the API
+    assert "--grpc-listen" not in renders["plain"].read("unit")
 
 
 def test_with_a_ca_the_unit_talks_grpc_over_tls(renders: dict[str, Rendered]) -> None:
