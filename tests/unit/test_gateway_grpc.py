@@ -373,3 +373,18 @@ def test_sampling_parameters_nested_too_deep_for_the_gateway_are_the_backends_to
 
     _serve(fake, calls)
     assert len(fake.seen) == 1
+
+
+def test_the_grpc_listener_is_off_by_default_and_plaintext_only_on_loopback():
+    from llmhost.gateway.cli import build_parser, settings
+    from llmhost.gateway.config import ConfigError, parse_config
+
+    def config(*flags: str) -> GatewayConfig:
+        return settings(build_parser().parse_args(["--keys-file", "/k", "--model", "m", *flags]))
+
+    assert config().grpc_listen is None
+    assert config("--grpc-listen", "127.0.0.1:18082").grpc_listen == ("127.0.0.1", 18082)
+    assert parse_config('grpc_listen: "[::1]:9"') == {"grpc_listen": ("::1", 9)}
+    with pytest.raises(ConfigError, match=r"--grpc-listen 0\.0\.0\.0:18082 without TLS"):
+        config("--grpc-listen", "0.0.0.0:18082")
+    assert config("--grpc-listen", "0.0.0.0:18082", "--allow-plaintext").grpc_listen == ("0.0.0.0", 18082)
