@@ -71,13 +71,15 @@ def stream(server: Server, **body: Any) -> list[dict[str, Any]]:
 
 
 def grpc_stream(server: Server, inputs: dict[str, Any], params: dict[str, Any] | None = None,
-                timeout_s: float = 60) -> tuple[list[Any], str | None]:
-    """Send one streaming request; return (results, error message or None)."""
+                timeout_s: float = 60, target: str | None = None, headers: dict[str, str] | None = None
+                ) -> tuple[list[Any], str | None]:
+    """Send one streaming request to SERVER's gRPC port, or TARGET (a gateway's, with
+    HEADERS); return (results, error message or None)."""
     results: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc)
+    client = grpcclient.InferenceServerClient(target or server.grpc)
     out: list[Any] = []
     try:
-        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.start_stream(callback=lambda result, error: results.put((result, error)), headers=headers)
         tensors = []
         for name, value in inputs.items():
             if isinstance(value, bool):

@@ -189,10 +189,13 @@ def fuzz_http_generate_stream(server: Endpoint) -> int:
     return seen[0]
 
 
-def fuzz_grpc(server: Endpoint, examples: int = EXAMPLES) -> dict[str, int]:
-    client = grpcclient.InferenceServerClient(server.grpc)
+def fuzz_grpc(server: Endpoint, examples: int = EXAMPLES, target: str | None = None,
+              headers: dict[str, str] | None = None) -> dict[str, int]:
+    """EXAMPLES streamed requests to SERVER's gRPC port, or to TARGET (a gateway's gRPC
+    door, with HEADERS): each ends with its final response or an error that leaks nothing."""
+    client = grpcclient.InferenceServerClient(target or server.grpc)
     results: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.start_stream(callback=lambda result, error: results.put((result, error)), headers=headers)
     counts = {"ok": 0, "error": 0}
 
     @settings(FUZZ, max_examples=examples)
