@@ -388,3 +388,27 @@ def test_the_grpc_listener_is_off_by_default_and_plaintext_only_on_loopback():
     with pytest.raises(ConfigError, match=r"--grpc-listen 0\.0\.0\.0:18082 without TLS"):
         config("--grpc-listen", "0.0.0.0:18082")
     assert config("--grpc-listen", "0.0.0.0:18082", "--allow-plaintext").grpc_listen == ("0.0.0.0", 18082)
+
+
+def test_the_grpc_door_stops_when_the_api_server_begins_to_stop():
+    from llmhost.gateway.cli import _stop_with
+
+    class Door:
+        grace: float | None = None
+
+        async def stop(self, grace: float) -> None:
+            self.grace = grace
+
+    class Api:
+        should_exit = False
+
+    async def go() -> None:
+        api, door = Api(), Door()
+        stopping = asyncio.ensure_future(_stop_with(api, door, 7.0))
+        await asyncio.sleep(0.3)
+        assert door.grace is None  # serving while the API serves
+        api.should_exit = True  # SIGTERM
+        await asyncio.wait_for(stopping, 5)
+        assert door.grace == 7.0
+
+    asyncio.run(go())

@@ -541,11 +541,13 @@ async def _serve(app: Any, metrics: Any, config: GatewayConfig, place: WorkerPla
         side = asyncio.ensure_future(beside.serve())
     health = asyncio.ensure_future(pool.run_health_checks())
     door = await _grpc_door(app, config)
+    door_stopped = asyncio.ensure_future(_stop_with(api, door, config.drain_timeout_s)) if door else None
     try:
         await api.serve(sockets=sockets)
     finally:
-        if door is not None:
-            await door.stop(config.drain_timeout_s)
+        if door_stopped is not None:
+            api.should_exit = True
+            await door_stopped
         if beside is not None:
             beside.should_exit = True
         health.cancel()
@@ -557,6 +559,14 @@ async def _serve(app: Any, metrics: Any, config: GatewayConfig, place: WorkerPla
             close = getattr(member.client, "close", None)
             if close is not None:
                 await close()
+
+
+async def _stop_with(api: Any, door: Any, grace_s: float) -> None:
+    """Stop the gRPC DOOR once the API server begins to stop (SIGTERM): no new calls,
+    and those in flight get GRACE_S, as the API's requests do."""
+    while not api.should_exit:
+        await asyncio.sleep(0.2)
+    await door.stop(grace_s)
 
 
 async def _grpc_door(app: Any, config: GatewayConfig) -> Any:
