@@ -316,7 +316,7 @@ def check_responses_answer(status: int, body: str, sent: str) -> str:
         assert_no_leak(json.dumps(error), sent)
         return "error"
     if body.startswith("event:"):
-        events = [json.loads(line[5:]) for line in body.splitlines() if line.startswith("data:")]
+        events = [json.loads(line[5:]) for line in body.split("\n") if line.startswith("data:")]
         assert [e["sequence_number"] for e in events] == list(range(len(events))), body[:300]
         assert events[0]["type"] == "response.created", events[0]
         assert events[-1]["type"] in ("response.completed", "response.incomplete", "error"), events[-1]

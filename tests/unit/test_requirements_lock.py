@@ -155,12 +155,8 @@ def test_lock_cuda_reads_the_build_from_torch_and_its_runtime():
 def test_the_driver_is_matched_with_the_locks_build_only():
     """The role's filter with a lock: the lock's CUDA is the only variant, so a 575 driver
     (CUDA 12.9, which the matrix would give cu129) is too old for the CUDA 13.0 lock."""
-    import importlib.util
+    from filter_plugins import llmhost_package as filters
 
-    spec = importlib.util.spec_from_file_location("llmhost_package_filters",
-                                                  ROOT / "filter_plugins" / "llmhost_package.py")
-    filters = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(filters)
     matrix = json.loads((ROOT / "src" / "llmhost" / "data" / "cuda_matrix.json").read_text())
     lock = (LOCKS / "gpu-py3.11.txt").read_text()
     vllm = DEFAULTS["python_env_vllm_version"]

@@ -201,7 +201,7 @@ def encode_response(model: str, version: str, request_id: str, outputs: Outputs)
 def model_config(meta: dict[str, Any]) -> Any:
     """What clients read of a model's configuration, from its metadata: its name, our
     backend, no batching, decoupled (several responses per request), its inputs and
-    outputs. Triton's own ModelConfig is an admin API, closed to the gateway."""
+    outputs; not tritonserver's own, which holds the host's paths and engine arguments."""
     config = model_config_pb2.ModelConfig(name=meta["name"], backend="vllm", max_batch_size=0)
     config.model_transaction_policy.decoupled = True
     for tensors, items in ((config.input, meta["inputs"]), (config.output, meta["outputs"])):
