@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--kind", choices=("http", "grpc", "openai"), default="http")
     b.add_argument("--model", default="model")
     b.add_argument("--api-key-file", type=Path, metavar="PATH",
-                   help="a file holding the API key to send as a bearer token (--kind openai through the gateway)")
+                   help="a file holding the API key to send as a bearer token (through the gateway: --kind "
+                        "openai, or grpc to its gRPC door as authorization metadata)")
     b.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64],
                    help="comma-separated levels (default 1,2,4,8,16,32,64)")
     g = b.add_mutually_exclusive_group()

@@ -271,7 +271,9 @@ class Target:
 
         ttft = 0.0
         tokens = events = 0
-        async for result, error in self._grpc.stream_infer(requests_iter()):
+        # Through the gateway's gRPC door the key goes as `authorization` metadata.
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        async for result, error in self._grpc.stream_infer(requests_iter(), headers=headers):
             if error is not None:
                 return Sample(ok=False, error=str(error)[:300])
             if not ttft:
