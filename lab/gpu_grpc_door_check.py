@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                            "device": args.device, "serve": serve_cmd[2:], "gateway": gateway_cmd[2:],
                            "goals": GOALS, "levels": [], "client": "llmhost bench's loadgen (aiohttp SSE; "
                            "tritonclient.grpc.aio stream_infer with authorization metadata), same host"}
+    import vllm
+
+    res["vllm"] = vllm.__version__
     if args.device == "gpu":
         res["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                                     capture_output=True, text=True).stdout.strip()
