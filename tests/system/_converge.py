@@ -80,8 +80,8 @@ def converge(host: BootedHost, work: Path, groups: tuple[str, ...] = ("inference
              overrides: dict[str, object] | None = None, ports: dict[str, int] | None = None) -> Converged:
     """site.yml into HOST with free ports (PORTS chosen by the caller win), the demo
     key and fast scrapes; OVERRIDES (extra vars, e.g. gateway_upstreams) win over those."""
-    ports = {k: free_port() for k in ("http", "grpc", "metrics", "node", "prometheus", "gateway", "gateway_metrics")
-             } | (ports or {})
+    ports = {k: free_port() for k in ("http", "grpc", "metrics", "node", "prometheus", "gateway", "gateway_metrics",
+                                      "gateway_grpc")} | (ports or {})
     # The gateway's key, passed as `make demo` passes it (inventory/demo.yml reads the file).
     key_file = work / "gateway-api-key"
     key_file.touch(mode=0o600)
@@ -96,6 +96,9 @@ def converge(host: BootedHost, work: Path, groups: tuple[str, ...] = ("inference
         "prometheus_web_listen_address": f"127.0.0.1:{ports['prometheus']}",
         "gateway_port": ports["gateway"],
         "gateway_metrics_port": ports["gateway_metrics"],
+        # The demo's gRPC door (18082) on a free port too: the booted hosts share the
+        # machine's network.
+        "gateway_grpc_port": ports["gateway_grpc"],
         "gateway_demo_key_file": str(key_file),
         # The demo key as inventory/demo.yml passes it, and one with a limit, so that the
         # rate-limit metrics and their dashboard panel can be seen.

@@ -246,7 +246,7 @@ def gateway_only(pair: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         key_file.touch(mode=0o600)
         key = secrets.token_urlsafe(32)
         key_file.write_text(key + "\n")
-        port, metrics_port, node_port = free_port(), free_port(), free_port()
+        port, metrics_port, node_port, grpc_door_port = free_port(), free_port(), free_port(), free_port()
         # A and B as the inventory's inference hosts, each with its own gRPC port (host
         # vars: extra vars would give every host the same); only C is provisioned.
         inference = {c.host.name: {**c.host.host_vars(), "triton_grpc_port": c.ports["grpc"]}
@@ -257,7 +257,8 @@ def gateway_only(pair: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "inference": {"hosts": inference}}}}))
         extra = work / "vars.json"
         extra.write_text(json.dumps({
-            "gateway_port": port, "gateway_metrics_port": metrics_port, "gateway_demo_key_file": str(key_file),
+            "gateway_port": port, "gateway_metrics_port": metrics_port, "gateway_grpc_port": grpc_door_port,
+            "gateway_demo_key_file": str(key_file),
             "llmhost_metrics_bind_address": METRICS_ADDRESS,
             "node_exporter_web_listen_address": f"127.0.0.1:{node_port}", "llmhost_models": HOST_MODELS}))
         args = ("--limit", host_c.name)
