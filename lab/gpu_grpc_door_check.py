@@ -29,9 +29,10 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from lab.gpucheck.speed import get, log
 
 NAME = "llm"
 KEY = "grpc-door-check-key-0123456789"
@@ -41,25 +42,13 @@ DOORS = ("openai", "grpc")
 GOALS = {"max_tokens_per_response": 1.2, "max_ttft_p50": 1.1, "max_gap_p50": 1.25}
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def status(url: str, headers: dict[str, str] | None = None) -> int:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=3) as r:
-            return int(r.status)
-    except Exception:  # noqa: BLE001 - not up yet
-        return 0
-
-
 def wait_for(url: str, proc: subprocess.Popen[bytes], timeout_s: float, headers: dict[str, str] | None = None
              ) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args!r} exited {proc.returncode}")
-        if status(url, headers) == 200:
+        if get(url, headers=headers) == 200:
             return round(time.monotonic() - t0, 1)
         time.sleep(1)
     raise RuntimeError(f"{url} not ready after {timeout_s} s")

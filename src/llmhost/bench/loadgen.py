@@ -25,7 +25,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +75,7 @@ class Workload:
         """N conversations of TURNS turns, each turn's words and reply length as items()
         draws them; conversation i's system prompt is shared prefix i mod SHARED_PREFIXES."""
         prefixes = self.prefixes()
-        bare = Workload(prompt_words=self.prompt_words, prompt_words_max=self.prompt_words_max,
-                        output_tokens=self.output_tokens, output_tokens_max=self.output_tokens_max, seed=self.seed)
-        turns = bare.items(n * self.turns)
+        turns = replace(self, shared_prefixes=0, turns=1).items(n * self.turns)
         return [Conversation(prefixes[i % len(prefixes)] if prefixes else None,
                              tuple(turns[i * self.turns:(i + 1) * self.turns])) for i in range(n)]
 
@@ -394,8 +392,6 @@ def part_workload(workload: Workload, index: int, offset: int, share: int, concu
     of CONCURRENCY: the same lengths and duration, prompts of its own (seed + index, so
     the processes do not send the same prompts at once) and, in request-count mode,
     its workers' part of the requests."""
-    from dataclasses import replace
-
     requests = workload.requests
     if workload.duration_s is None:
         requests = sum(shares(workload.requests, concurrency)[offset:offset + share])
