@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lab.gpucheck.speed import get, log
+from lab.gpucheck.speed import get, log, order
 
 NAME = "llm"
 KEY = "grpc-door-check-key-0123456789"
@@ -52,10 +52,6 @@ def wait_for(url: str, proc: subprocess.Popen[bytes], timeout_s: float, headers:
             return round(time.monotonic() - t0, 1)
         time.sleep(1)
     raise RuntimeError(f"{url} not ready after {timeout_s} s")
-
-
-def door_order(rnd: int) -> list[str]:
-    return list(DOORS) if rnd % 2 == 0 else list(reversed(DOORS))
 
 
 def ratios(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -149,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                                           {"Authorization": f"Bearer {KEY}"})
         levels = [int(c) for c in args.levels.split(",")]
         for rnd in range(args.rounds):
-            for door in door_order(rnd):
+            for door in order(rnd, DOORS):
                 url = f"http://127.0.0.1:{GATEWAY_PORT}" if door == "openai" else f"127.0.0.1:{GATEWAY_PORT + 2}"
                 spec = {"kind": door, "url": url, "model": NAME, "api_key": KEY}
                 for c in levels:

@@ -20,7 +20,8 @@ import json
 
 import pytest
 
-from lab.gpu_grpc_door_check import DOORS, GOALS, door_order, ratios
+from lab.gpu_grpc_door_check import DOORS, GOALS, ratios
+from lab.gpucheck.speed import order
 from tests.harness.paths import FIXTURES, ROOT
 
 RUN = FIXTURES / "gpu" / "h200-580.159.04-real" / "device-run-2026-12-02-grpc-door"
@@ -43,7 +44,7 @@ def test_recorded_on_one_h200_through_the_gateways_two_doors(res: dict):
 
 
 def test_every_level_of_both_doors_in_alternating_order(res: dict):
-    expected = [(r, d, c) for r in range(2) for d in door_order(r) for c in LEVELS]
+    expected = [(r, d, c) for r in range(2) for d in order(r, DOORS) for c in LEVELS]
     assert [(x["round"], x["door"], x["concurrency"]) for x in res["levels"]] == expected
     assert set(DOORS) == {"openai", "grpc"}
     for x in res["levels"]:
