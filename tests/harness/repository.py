@@ -5,7 +5,6 @@ server leaves behind (its processes, /dev/shm segments)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -19,6 +18,7 @@ import psutil
 import requests
 
 from llmhost.server.admin_key import HEADER, read_key
+from llmhost.server.reaping import is_resource_tracker, kill_processes
 from tests.harness.server import Server
 
 LOAD_TIMEOUT_S = 600  # a vLLM engine on a busy 2-core machine; a bound, not a target
@@ -77,22 +77,35 @@ STUCK_LOAD_S = 300
 
 
 def load(server: Server, name: str) -> requests.Response:
-    """Load NAME. A load stuck in Triton's stub-launch hang (no answer in STUCK_LOAD_S)
-    is ended by killing that model's stub and its engine, which fails the launch, and
-    tried once more; it says so on standard error."""
+    """Load NAME. A load with no answer in STUCK_LOAD_S whose stub has started its
+    engine is slow (a busy machine), not stuck: it gets until LOAD_TIMEOUT_S. One whose
+    stub started nothing is in Triton's stub-launch hang: it is ended by killing that
+    model's stub (its resource tracker last, so no shared memory leaks), which fails the
+    launch, and tried once more. Either says so on standard error."""
     url = f"{server.http}/v2/repository/models/{name}/load"
     try:
         return requests.post(url, headers=admin_headers(server), timeout=STUCK_LOAD_S)
     except requests.ReadTimeout:
-        stubs = [p for p in server.descendants() if _is_stub_of(p, name)]
+        pass
+    stubs = [p for p in server.descendants() if _is_stub_of(p, name)]
+    started = [p for stub in stubs for p in _children(stub) if not is_resource_tracker(p)]
+    if started:
+        print(f"repository.load: {name} did not load in {STUCK_LOAD_S} s but its stub started "
+              f"{[p.pid for p in started]}; waiting for the load", file=sys.stderr, flush=True)
+        wait_until(lambda: index(server).get(name, {}).get("state") != "LOADING", LOAD_TIMEOUT_S - STUCK_LOAD_S)
+    else:
         print(f"repository.load: {name} did not load in {STUCK_LOAD_S} s (Triton's stub-launch hang); "
               f"killing its stub(s) {[p.pid for p in stubs]} and loading it again", file=sys.stderr, flush=True)
-        for stub in stubs:
-            for proc in [*stub.children(recursive=True), stub]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    proc.kill()
+        kill_processes([p for stub in stubs for p in [*_children(stub), stub]])
         wait_until(lambda: index(server).get(name, {}).get("state") != "LOADING", 120)
-        return requests.post(url, headers=admin_headers(server), timeout=LOAD_TIMEOUT_S)
+    return requests.post(url, headers=admin_headers(server), timeout=LOAD_TIMEOUT_S)
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _is_stub_of(proc: psutil.Process, name: str) -> bool:

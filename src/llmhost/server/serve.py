@@ -37,6 +37,7 @@ from llmhost.server.admin_key import HEADER as ADMIN_HEADER
 from llmhost.server.admin_key import ensure_key_file, restriction
 from llmhost.server.layout import TritonInstall, make_backend_dir, make_model_dir, python_libdir, render
 from llmhost.server.placement import plan
+from llmhost.server.reaping import end_processes
 from llmhost.server.startcheck import STUCK_AFTER_S, StuckStart, answers, initialisation_watch, raise_if_stuck
 from llmhost.server.stopfile import STOP_FILE_ENV, STOP_FILE_NAME, announce_stop, remove_stop_files
 from llmhost.server.stopserver import free_http_port
@@ -211,23 +212,12 @@ def _become_subreaper() -> bool:
 
 
 def reap_leftovers(grace_s: float = 10.0) -> list[int]:
-    """Terminate and reap every remaining descendant (EngineCore, workers, stubs)."""
+    """Terminate and reap every remaining descendant (EngineCore, workers, stubs),
+    their resource trackers last, so that no shared memory of theirs is left."""
     import psutil
 
-    me = psutil.Process()
-    kids = me.children(recursive=True)
-    for p in kids:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(kids, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
+    kids = psutil.Process().children(recursive=True)
+    end_processes(kids, grace_s)
     # Reap zombies re-parented to us.
     while True:
         try:
