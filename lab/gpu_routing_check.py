@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import vllm
 
-    import llmhost.gateway.routing as routing
+    import llmhost.gateway.routing.policies as routing
     from lab.gpucheck.model import make_in_child
     from lab.gpucheck.speed import GATEWAY_KEY, NAME, engine_config, tail
     from lab.stream_compare import GpuUse, tree_cpu_s

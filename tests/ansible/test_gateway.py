@@ -602,7 +602,7 @@ def test_the_unit_renders_the_routing_settings(renders: dict[str, Rendered]) -> 
 
 
 def test_role_and_gateway_agree_on_the_routing_policies() -> None:
-    from llmhost.gateway.routing import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, POLICIES
+    from llmhost.gateway.routing.policies import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, POLICIES
 
     role_vars = load_yaml(REPO / "roles" / "gateway" / "vars" / "main.yml")
     assert role_vars["_gateway_routing_policies"] == list(POLICIES)

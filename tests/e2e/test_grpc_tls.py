@@ -23,7 +23,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from llmhost.gateway.app import upstream_ca
 from llmhost.gateway.config import GatewayConfig
-from llmhost.gateway.upstream import Upstream, UpstreamDown
+from llmhost.gateway.upstreams.client import Upstream, UpstreamDown
 from llmhost.server.layout import TritonInstall
 from tests.ansible.test_grpc_pki import pki_book, run_book
 from tests.harness.certs import issue

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import requests
 
-from llmhost.gateway.mapping import BackendRequest
-from llmhost.gateway.upstream import Upstream
+from llmhost.gateway.upstreams.client import Upstream
+from llmhost.gateway.upstreams.request import BackendRequest
 from llmhost.smoke import parse_sse
 from tests.harness.server import Server, start_server, wait_gone
 

@@ -14,8 +14,8 @@ from tritonclient.grpc import service_pb2
 from llmhost.gateway.app import create_app
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.keys import KeyStore, hash_key, parse_keys
-from llmhost.gateway.mapping import BackendRequest
-from llmhost.gateway.upstream import Piece, UpstreamDown, classify, decode_outputs
+from llmhost.gateway.upstreams.client import Piece, UpstreamDown, classify, decode_outputs
+from llmhost.gateway.upstreams.request import BackendRequest
 
 KEY = "unit-key-0123456789abcdef"
 

@@ -793,7 +793,7 @@ def test_watch_outputs_reports_each_batch_and_passes_it_on():
 
 
 def test_a_hung_engines_error_is_unavailable_at_the_gateway():
-    from llmhost.gateway.upstream import classify
+    from llmhost.gateway.upstreams.client import classify
 
     message = watchdog.client_message(watchdog.hang_cause(300, 3), restarting=True)
     assert message == ("the model's engine stopped (it made no progress for 300 s with 3 requests in flight); "

@@ -20,8 +20,8 @@ from llmhost.backend.engine import EngineRunner
 from llmhost.backend.metrics import RESPONSE_DELAY
 from llmhost.backend.stream_socket import StreamSocketServer, socket_path
 from llmhost.gateway.errors import ApiError
-from llmhost.gateway.mapping import BackendRequest
-from llmhost.gateway.upstream import Draining, Piece, Upstream, UpstreamDown
+from llmhost.gateway.upstreams.client import Draining, Piece, Upstream, UpstreamDown
+from llmhost.gateway.upstreams.request import BackendRequest
 from tests.unit.test_engine_lifecycle import BOUND_S, FakeEngine, Log, fake_vllm, make_runner, start_in_thread
 
 __all__ = ["fake_vllm"]  # the fixture, used by name

@@ -13,13 +13,13 @@ import httpx
 import pytest
 
 from llmhost.gateway.app import create_app
-from llmhost.gateway.batch import merged, split
 from llmhost.gateway.config import GatewayConfig
+from llmhost.gateway.doors.openai.batch import merged, split
+from llmhost.gateway.doors.openai.completion_bodies import Accumulator, completion_body, stream_chunks
+from llmhost.gateway.doors.openai.mapping import parse_body, to_backend
 from llmhost.gateway.errors import ApiError, unavailable
 from llmhost.gateway.keys import KeysError, KeyStore, hash_key, parse_keys
-from llmhost.gateway.mapping import BackendRequest, parse_body, to_backend
-from llmhost.gateway.responses import Accumulator, completion_body, stream_chunks
-from llmhost.gateway.upstream import (
+from llmhost.gateway.upstreams.client import (
     Draining,
     NotStarted,
     Piece,
@@ -28,6 +28,7 @@ from llmhost.gateway.upstream import (
     parse_response,
     socket_request,
 )
+from llmhost.gateway.upstreams.request import BackendRequest
 
 KEY = "unit-key-0123456789abcdef"
 
@@ -636,7 +637,7 @@ def test_a_client_that_disconnects_cancels_the_upstream_request(stream):
 
 
 def test_an_unreachable_upstream_is_503():
-    from llmhost.gateway.upstream import Upstream
+    from llmhost.gateway.upstreams.client import Upstream
     from tests.harness.net import free_port
 
     up = Upstream(f"127.0.0.1:{free_port()}", timeout_s=2)

@@ -11,7 +11,7 @@ import pytest
 
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.keys import KeysError, KeyStore, hash_key, parse_keys
-from llmhost.gateway.pool import PoolSettings, UpstreamPool
+from llmhost.gateway.routing.pool import PoolSettings, UpstreamPool
 from tests.unit._gateway_fakes import KEY, Fake, chat, client, make_app
 
 ADMIN_KEY = "admin-key-0123456789abcdef"

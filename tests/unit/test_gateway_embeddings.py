@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from llmhost.gateway.config import GatewayConfig
-from llmhost.gateway.mapping import BackendRequest
-from llmhost.gateway.upstream import Piece, build_request, socket_request
+from llmhost.gateway.upstreams.client import Piece, build_request, socket_request
+from llmhost.gateway.upstreams.request import BackendRequest
 from tests.unit._gateway_fakes import Fake, chat, client, make_app
 
 

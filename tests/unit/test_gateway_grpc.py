@@ -15,11 +15,11 @@ import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from llmhost.gateway.config import GatewayConfig
+from llmhost.gateway.doors.grpc import decode_request, encode_response, start
+from llmhost.gateway.doors.triton_generate import _set_parameter
 from llmhost.gateway.errors import ApiError
-from llmhost.gateway.grpc_door import decode_request, encode_response, start
-from llmhost.gateway.native import _set_parameter
 from llmhost.gateway.record import RequestRecord
-from llmhost.gateway.upstream import decode_outputs
+from llmhost.gateway.upstreams.client import decode_outputs
 from tests.harness.net import free_port
 from tests.unit._gateway_fakes import KEY, Fake, keystore, make_app
 

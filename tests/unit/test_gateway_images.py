@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
+from llmhost.gateway.doors.openai.images import fetch_images
+from llmhost.gateway.doors.openai.mapping import parse_body, to_backend
 from llmhost.gateway.errors import ApiError
-from llmhost.gateway.images import RemoteImage, fetch_images
-from llmhost.gateway.mapping import parse_body, to_backend
-from llmhost.gateway.upstream import build_request, socket_request
+from llmhost.gateway.upstreams.client import build_request, socket_request
+from llmhost.gateway.upstreams.request import RemoteImage
 from tests.harness.webfiles import serve_files
 
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n pretend pixels").decode()

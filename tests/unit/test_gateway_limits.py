@@ -223,8 +223,8 @@ def test_the_default_per_key_bound_is_512():
 
 
 def test_the_up_front_charge_counts_the_prompt_too():
-    from llmhost.gateway.app import _estimate
-    from llmhost.gateway.mapping import parse_body, to_backend
+    from llmhost.gateway.doors.openai.api import _estimate
+    from llmhost.gateway.doors.openai.mapping import parse_body, to_backend
 
     def req(**body: object):  # type: ignore[no-untyped-def]
         chat = "messages" in body

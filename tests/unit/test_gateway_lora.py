@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2
 
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.keys import KeyStore, hash_key, parse_keys
-from llmhost.gateway.pool import UpstreamPool, published_adapters
+from llmhost.gateway.routing.pool import UpstreamPool, published_adapters
 from tests.unit._gateway_fakes import KEY, Fake, chat, client, make_app
 
 SCOPED = "scoped-key-0123456789abcdef"
@@ -191,7 +191,7 @@ def test_adapters_follow_the_upstreams_and_survive_a_failed_read():
 
 
 def test_the_grpc_upstream_reads_adapters_from_the_model_configuration():
-    from llmhost.gateway.upstream import Upstream
+    from llmhost.gateway.upstreams.client import Upstream
 
     class Stub:  # Triton's gRPC service, as the generated stub names its calls
         async def ModelReady(self, request: Any, timeout: float) -> Any:

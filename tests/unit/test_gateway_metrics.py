@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmhost.gateway.app import create_app
 from llmhost.gateway.config import GatewayConfig
-from llmhost.gateway.mapping import BackendRequest
 from llmhost.gateway.metrics import GatewayMetrics, metrics_app
-from llmhost.gateway.pool import UpstreamPool
-from llmhost.gateway.upstream import Piece
+from llmhost.gateway.routing.pool import UpstreamPool
+from llmhost.gateway.upstreams.client import Piece
+from llmhost.gateway.upstreams.request import BackendRequest
 from tests.unit._gateway_fakes import KEY, Fake, chat, client, keystore
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from llmhost.gateway.config import GatewayConfig
-from llmhost.gateway.upstream import UpstreamDown, classify
+from llmhost.gateway.upstreams.client import UpstreamDown, classify
 from tests.unit._gateway_fakes import Fake, client, infer_response, keystore, make_app
 
 
@@ -67,7 +67,7 @@ def test_generate_returns_the_counts_the_client_asked_for():
 
 
 def test_one_answer_from_several_responses_joins_each_completions_parts():
-    from llmhost.gateway.native import _JOIN
+    from llmhost.gateway.doors.triton_generate import _JOIN
 
     top = {"5": {"logprob": -1.0, "rank": 1, "decoded_token": "a"}}
     joined = _JOIN["logprobs"](json.dumps([top]), json.dumps([top, top]))
@@ -78,7 +78,7 @@ def test_one_answer_from_several_responses_joins_each_completions_parts():
 
 
 def test_the_new_return_inputs_are_inputs_checked_by_name():
-    from llmhost.gateway.native import BOOL_INPUTS
+    from llmhost.gateway.doors.triton_generate import BOOL_INPUTS
 
     assert {"return_cumulative_logprob", "return_logprobs"} <= set(BOOL_INPUTS)
     r = _run(make_app(Fake()), "POST", "/v2/models/m/generate", json={"text_input": "x", "return_logprobs": "yes"})
@@ -116,7 +116,7 @@ def test_an_error_mid_stream_is_an_error_event():
 
 def test_native_generate_is_retried_on_another_upstream_when_the_first_is_down():
     from llmhost.gateway.config import GatewayConfig
-    from llmhost.gateway.pool import UpstreamPool
+    from llmhost.gateway.routing.pool import UpstreamPool
 
     class Down(Fake):
         async def infer_stream(self, msg: Any) -> AsyncIterator[Any]:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from llmhost.gateway.config import GatewayConfig
-from llmhost.gateway.mapping import BackendRequest
-from llmhost.gateway.pool import PoolSettings, UpstreamPool
-from llmhost.gateway.upstream import Piece, UpstreamDown
+from llmhost.gateway.routing.pool import PoolSettings, UpstreamPool
+from llmhost.gateway.upstreams.client import Piece, UpstreamDown
+from llmhost.gateway.upstreams.request import BackendRequest
 from tests.unit._gateway_fakes import Fake, chat, client, keystore, make_app
 
 
@@ -361,7 +361,7 @@ class FailsOnce(Fake):
         failing, self.fail = self.fail, None
         self.calls += 1
         if failing is not None:
-            from llmhost.gateway.upstream import classify
+            from llmhost.gateway.upstreams.client import classify
             raise classify(failing)
 
 

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmhost.gateway.doors.openai.responses import parse_request, to_chat
 from llmhost.gateway.errors import ApiError
-from llmhost.gateway.mapping import BackendRequest
 from llmhost.gateway.metrics import GatewayMetrics
-from llmhost.gateway.responses_api import parse_request, to_chat
-from llmhost.gateway.upstream import Piece
+from llmhost.gateway.upstreams.client import Piece
+from llmhost.gateway.upstreams.request import BackendRequest
 from tests.harness.fuzz import FUZZ, check_responses_answer, responses_bodies, sent_text
 from tests.unit._gateway_fakes import KEY, Fake, client, keystore, make_app
 

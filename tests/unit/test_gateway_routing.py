@@ -17,8 +17,7 @@ import pytest
 from llmhost.gateway.cli import build_parser, settings
 from llmhost.gateway.config import ConfigError, GatewayConfig, parse_config
 from llmhost.gateway.metrics import GatewayMetrics
-from llmhost.gateway.pool import PoolSettings, UpstreamPool
-from llmhost.gateway.routing import (
+from llmhost.gateway.routing.policies import (
     CACHE_AWARE,
     LEAST_LOADED,
     ROUND_ROBIN,
@@ -29,7 +28,8 @@ from llmhost.gateway.routing import (
     rendezvous_order,
     route_key,
 )
-from llmhost.gateway.upstream import Upstream
+from llmhost.gateway.routing.pool import PoolSettings, UpstreamPool
+from llmhost.gateway.upstreams.client import Upstream
 from tests.unit._gateway_fakes import Fake, client, keystore, make_app
 
 NAMES = ["10.0.0.5:8001", "10.0.0.6:8001", "10.0.0.7:8001"]
@@ -85,7 +85,7 @@ def test_a_session_hint_makes_the_key_whatever_the_prompt():
 
 def test_the_order_of_a_key_is_the_same_in_another_process():
     key = _key("a shared system prompt")
-    code = ("import sys; from llmhost.gateway.routing import rendezvous_order; "
+    code = ("import sys; from llmhost.gateway.routing.policies import rendezvous_order; "
             f"print(rendezvous_order(bytes.fromhex('{key.hex()}'), {NAMES!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"})

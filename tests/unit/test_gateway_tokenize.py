@@ -19,8 +19,8 @@ from llmhost.backend.config import BackendSettings
 from llmhost.backend.errors import RequestError
 from llmhost.backend.request import parse_request
 from llmhost.backend.tokens import tokens_answer
-from llmhost.gateway.mapping import BackendRequest
-from llmhost.gateway.upstream import Piece, build_request, socket_request
+from llmhost.gateway.upstreams.client import Piece, build_request, socket_request
+from llmhost.gateway.upstreams.request import BackendRequest
 from tests.unit._gateway_fakes import Fake, client, keystore, make_app
 
 

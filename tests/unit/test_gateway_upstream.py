@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from tritonclient.grpc import service_pb2
 
-from llmhost.gateway import upstream
 from llmhost.gateway.errors import ApiError
-from llmhost.gateway.mapping import BackendRequest
-from llmhost.gateway.upstream import Upstream
+from llmhost.gateway.upstreams import client as upstream
+from llmhost.gateway.upstreams.client import Upstream
+from llmhost.gateway.upstreams.request import BackendRequest
 
 
 def _response(text: bytes = b"", final: bool = False, error: str = "") -> Any:

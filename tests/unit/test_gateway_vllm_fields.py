@@ -17,12 +17,18 @@ from hypothesis import strategies as st
 from llmhost.backend import limits
 from llmhost.backend.config import BackendSettings
 from llmhost.backend.sampling import FIELDS, STRUCTURED_ALIASES, validate_sampling
-from llmhost.gateway import openai_models
+from llmhost.gateway.doors.openai import request_models as openai_models
+from llmhost.gateway.doors.openai.completion_bodies import stream_chunks
+from llmhost.gateway.doors.openai.mapping import PASSED, parse_body, to_backend
+from llmhost.gateway.doors.openai.request_models import (
+    REFUSED,
+    UNSUPPORTED_COMMON,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from llmhost.gateway.errors import ApiError
-from llmhost.gateway.mapping import PASSED, BackendRequest, parse_body, to_backend
-from llmhost.gateway.openai_models import REFUSED, UNSUPPORTED_COMMON, ChatCompletionRequest, CompletionRequest
-from llmhost.gateway.responses import stream_chunks
-from llmhost.gateway.upstream import Piece
+from llmhost.gateway.upstreams.client import Piece
+from llmhost.gateway.upstreams.request import BackendRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

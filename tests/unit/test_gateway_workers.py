@@ -13,7 +13,7 @@ import pytest
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.keys import ApiKey
 from llmhost.gateway.limits import RateLimited
-from llmhost.gateway.pool import UpstreamPool
+from llmhost.gateway.routing.pool import UpstreamPool
 from llmhost.gateway.workers import (
     Channel,
     SharedState,

@@ -88,7 +88,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_the_imports_it_judges():
     graph, _ = _graph()
-    assert "llmhost.gateway.native" in graph["llmhost.gateway.app"]
+    assert "llmhost.gateway.doors.native" in graph["llmhost.gateway.app"]
     assert "llmhost.backend.config" in graph["llmhost.backend.lora"]
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -137,7 +137,7 @@ ODD_NAMES = ["alpha", 'b"eta', "c\\d", "über"]
 def test_config_pbtxt_publishes_the_adapter_names_the_gateway_reads():
     from tritonclient.grpc import service_pb2
 
-    from llmhost.gateway.pool import published_adapters
+    from llmhost.gateway.routing.pool import published_adapters
 
     config = _published(ODD_NAMES)
     adapters = tuple(Adapter(name, i, f"/a/{i}") for i, name in enumerate(ODD_NAMES, start=1))

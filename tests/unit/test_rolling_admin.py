@@ -21,7 +21,7 @@ import uvicorn
 
 from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.keys import KeyStore, hash_key, parse_keys
-from llmhost.gateway.pool import PoolSettings, UpstreamPool
+from llmhost.gateway.routing.pool import PoolSettings, UpstreamPool
 from tests.harness.net import free_port
 from tests.harness.paths import ROOT
 from tests.unit._gateway_fakes import KEY, Fake, make_app

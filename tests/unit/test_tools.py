@@ -18,10 +18,11 @@ from llmhost.backend.engine import Chunk
 from llmhost.backend.errors import RequestError
 from llmhost.backend.outputs import response_outputs
 from llmhost.backend.request import parse_messages, parse_tools
+from llmhost.gateway.doors.openai.completion_bodies import Accumulator, completion_body, stream_chunks
+from llmhost.gateway.doors.openai.mapping import parse_body, to_backend
 from llmhost.gateway.errors import ApiError
-from llmhost.gateway.mapping import BackendRequest, parse_body, to_backend
-from llmhost.gateway.responses import Accumulator, completion_body, stream_chunks
-from llmhost.gateway.upstream import Piece, socket_piece
+from llmhost.gateway.upstreams.client import Piece, socket_piece
+from llmhost.gateway.upstreams.request import BackendRequest
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"unit": {"type": "string"}}}}}

@@ -1,5 +1,5 @@
-"""What both of the gateway's doors (the OpenAI API in ``app``, Triton's native API in
-``native``) share: its settings and upstream pool, the API key of a request, and the
+"""What every door of the gateway (``doors``: OpenAI's API, Triton's HTTP and gRPC
+APIs, the admin API) shares: its settings and upstream pool, the API key of a request, and the
 key's limits taken for the request's lifetime. In a worker process (``workers``) the
 limits and the admin API's hold are the supervisor's, shared by every worker."""
 
@@ -14,9 +14,9 @@ from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.errors import model_not_found
 from llmhost.gateway.keys import ApiKey, KeyStore
 from llmhost.gateway.limits import KeyLimiter, RateLimited
-from llmhost.gateway.mapping import BackendRequest
-from llmhost.gateway.pool import UpstreamPool
 from llmhost.gateway.record import RequestRecord, record_of
+from llmhost.gateway.routing.pool import UpstreamPool
+from llmhost.gateway.upstreams.request import BackendRequest
 
 _ADMIN_FIELDS = ("target", "state", "held", "outstanding")
 # The backend's sampling parameter that picks a LoRA adapter of the model.

@@ -36,7 +36,7 @@ from llmhost.gateway.config import (
 )
 from llmhost.gateway.connections import guarded_protocol, raise_open_files_limit
 from llmhost.gateway.keys import MIN_KEY_CHARS, ApiKey, KeysError, KeyStore, hash_key, load_keys
-from llmhost.gateway.routing import POLICIES, SESSION_HEADER
+from llmhost.gateway.routing.policies import POLICIES, SESSION_HEADER
 from llmhost.gateway.workers import (
     CORES_PER_WORKER,
     MAX_AUTO_WORKERS,
@@ -570,11 +570,11 @@ async def _stop_with(api: Any, door: Any, grace_s: float) -> None:
 
 
 async def _grpc_door(app: Any, config: GatewayConfig) -> Any:
-    """The gRPC door (grpc_door) of APP, started where config.grpc_listen names one;
+    """The gRPC door (doors.grpc) of APP, started where config.grpc_listen names one;
     SystemExit(2) when it cannot listen there."""
     if config.grpc_listen is None:
         return None
-    from llmhost.gateway.grpc_door import start
+    from llmhost.gateway.doors.grpc import start
 
     try:
         return await start(app.state.gateway, app.state.observers, config)

@@ -8,7 +8,7 @@ unknown key is refused by name. Relative paths are relative to the file's folder
     upstream_ca: /etc/llmhost/triton-grpc-ca.crt  # --upstream-ca; gRPC over TLS to upstreams off loopback
     models: [tiny]                     # --model (repeat); required, from the file or flags
     listen: "0.0.0.0:18080"            # --listen
-    grpc_listen: "0.0.0.0:18082"       # --grpc-listen; Triton's gRPC API (grpc_door); default: none
+    grpc_listen: "0.0.0.0:18082"       # --grpc-listen; Triton's gRPC API (doors.grpc); default: none
     allow_plaintext: false             # --allow-plaintext; plain HTTP on an address other than loopback
     metrics_listen: "127.0.0.1:18081"  # --metrics-listen
     metrics_token_file: /etc/llmhost/metrics-token.sha256  # --metrics-token-file; SHA-256 of /metrics' token
@@ -38,7 +38,7 @@ unknown key is refused by name. Relative paths are relative to the file's folder
       header_timeout_s: 10             # --header-timeout-s; a request head must arrive whole in this long
       body_timeout_s: 30               # --body-timeout-s; then the request body (else 408)
       idle_timeout_s: 5                # --idle-timeout-s; a kept-alive connection without a request
-    routing:                           # which replica takes a request (llmhost.gateway.routing)
+    routing:                           # which replica takes a request (llmhost.gateway.routing.policies)
       policy: cache_aware              # --routing: cache_aware, least_loaded or round_robin
       models: {embedder: least_loaded} # --model-routing NAME=POLICY; a model's own policy
       prefix_chars: 1024               # --routing-prefix-chars; the prompt's start that makes its key
@@ -59,7 +59,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from llmhost.gateway.routing import DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, DEFAULT_PREFIX_CHARS, POLICIES, RoutingSettings
+from llmhost.gateway.routing.policies import (
+    DEFAULT_LOAD_FACTOR,
+    DEFAULT_POLICY,
+    DEFAULT_PREFIX_CHARS,
+    POLICIES,
+    RoutingSettings,
+)
 
 # Larger request bodies are refused (413) before parsing; raise it (--max-body-bytes)
 # for long-context models whose prompts, JSON-escaped, need more.
@@ -109,7 +115,7 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     listen: tuple[str, int] = ("127.0.0.1", 18080)
     metrics_listen: tuple[str, int] = ("127.0.0.1", 18081)
-    # Triton's KServe v2 gRPC API (grpc_door), with the API's TLS; None: not served.
+    # Triton's KServe v2 gRPC API (doors.grpc), with the API's TLS; None: not served.
     grpc_listen: tuple[str, int] | None = None
     # A file holding the hex SHA-256 of the token a scrape of /metrics must carry
     # (metrics.metrics_app); None: no token asked for.
@@ -120,7 +126,7 @@ class GatewayConfig:
     # again on SIGHUP too); None: when the API has them.
     metrics_tls: bool | None = None
     # Image parts of chats given as http(s) URLs: fetched by the gateway if set, else
-    # refused naming the field (data URLs are always taken; llmhost.gateway.images).
+    # refused naming the field (data URLs are always taken; llmhost.gateway.doors.openai.images).
     allow_remote_images: bool = False
     keys_file: Path | None = None
     drain_timeout_s: float = 30.0
@@ -152,7 +158,7 @@ class GatewayConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 5.0
-    # Routing among a model's replicas (llmhost.gateway.routing).
+    # Routing among a model's replicas (llmhost.gateway.routing.policies).
     routing_policy: str = DEFAULT_POLICY
     model_routing: dict[str, str] = field(default_factory=dict)
     routing_prefix_chars: int = DEFAULT_PREFIX_CHARS

@@ -17,6 +17,14 @@ from llmhost.gateway.errors import ApiError, body_too_slow, invalid, too_large
 
 T = TypeVar("T")
 
+# One encoder for every event: json.dumps with separators builds a new one per call.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """OBJ as one server-sent event's bytes."""
+    return b"data: " + _encode(obj).encode() + b"\n\n"
+
 
 def json_response(body: dict[str, Any], status: int = 200) -> Response:
     return Response(json.dumps(body, separators=(",", ":")), status, media_type="application/json")

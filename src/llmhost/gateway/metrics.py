@@ -26,7 +26,7 @@ auth with TOKEN as the password, any user name), else 401.
   because none was in service for their model (the pool's panic mode).
 - ``llmhost_gateway_upstream_outstanding{upstream}``: requests in flight on it.
 - ``llmhost_gateway_routing_decisions_total{model,reason}``: requests routed to a
-  replica, by the decision's reason (``llmhost.gateway.routing``): ``prefix`` or
+  replica, by the decision's reason (``llmhost.gateway.routing.policies``): ``prefix`` or
   ``session`` (the routing key's replica), ``load_bound`` (that one was over its load
   bound), ``no_key``, ``least_loaded``, ``round_robin``.
 
@@ -54,9 +54,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import Receive, Scope, Send
 
-from llmhost.gateway.pool import STATES
 from llmhost.gateway.record import RequestRecord
-from llmhost.gateway.routing import REASONS
+from llmhost.gateway.routing.policies import REASONS
+from llmhost.gateway.routing.pool import STATES
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -49,7 +49,7 @@ from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.errors import ApiError
 from llmhost.gateway.keys import ApiKey
 from llmhost.gateway.limits import KeyLimiter, Lease, RateLimited
-from llmhost.gateway.pool import DRAINING, IN_SERVICE, OUT, STATES, UpstreamPool
+from llmhost.gateway.routing.pool import DRAINING, IN_SERVICE, OUT, STATES, UpstreamPool
 
 # Set in a worker's environment: "INDEX COUNT FD CONTROL_SOCKET".
 WORKER_ENV = "LLMHOST_GATEWAY_WORKER"

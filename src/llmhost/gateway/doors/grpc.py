@@ -1,7 +1,7 @@
 """Triton's KServe v2 gRPC API for existing Triton clients (``tritonclient.grpc``),
 on a port of its own (``--grpc-listen``), behind the gateway's keys and limits and
 over the same upstream pool and engine sockets as Triton's HTTP generate API
-(``native``): one streamed response per engine step.
+(``native``; the request and its responses: ``triton_generate``): one streamed response per engine step.
 
 - Every call carries the API key as ``authorization: Bearer KEY`` metadata, else
   UNAUTHENTICATED; a model outside the key's scope (or not served) is NOT_FOUND.
@@ -44,9 +44,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from llmhost.gateway.access import Access
 from llmhost.gateway.config import GatewayConfig, join_host_port
-from llmhost.gateway.errors import ApiError, invalid
-from llmhost.gateway.keys import ApiKey
-from llmhost.gateway.native import (
+from llmhost.gateway.doors.triton_generate import (
     BOOL_INPUTS,
     COUNT_OUTPUTS,
     LIST_INPUTS,
@@ -56,6 +54,8 @@ from llmhost.gateway.native import (
     counted,
     whole,
 )
+from llmhost.gateway.errors import ApiError, invalid
+from llmhost.gateway.keys import ApiKey
 from llmhost.gateway.record import Observer, RequestRecord, close_record
 
 EMPTY_FINAL = "triton_enable_empty_final_response"

@@ -7,7 +7,7 @@
   one late answer from a busy server neither takes it out nor one good answer from a
   flapping server brings it back. At start, an upstream's first check decides.
 - Per request the pool picks, among upstreams in service where the model is ready and
-  with room, one by the model's routing policy (``llmhost.gateway.routing``: by the
+  with room, one by the model's routing policy (``llmhost.gateway.routing.policies``: by the
   request's prompt prefix with a load bound, the least outstanding, or in turn); an
   upstream of this host then picks one of the model's engine sockets the same way.
   When none is in service for the model, it
@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from llmhost.gateway.errors import ApiError, unavailable
-from llmhost.gateway.routing import Chooser, Route
-from llmhost.gateway.upstream import Draining, NotStarted, UpstreamDown
+from llmhost.gateway.routing.policies import Chooser, Route
+from llmhost.gateway.upstreams.client import Draining, NotStarted, UpstreamDown
 
 T = TypeVar("T")
 

@@ -3,7 +3,7 @@ the server is on this host (``llmhost.backend.stream_socket``: one line per engi
 step), else over Triton's gRPC streaming (``ModelStreamInfer``).
 
 A request goes to a model's engine socket when ``socket_dir`` holds one for it
-(one of the model's instances, picked by the request's route: llmhost.gateway.routing;
+(one of the model's instances, picked by the request's route: llmhost.gateway.routing.policies;
 in turn for a request without one); where none is there, or the socket drops
 the request before any answer, it goes over gRPC.
 
@@ -37,8 +37,8 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from llmhost.gateway.errors import ApiError, invalid
-from llmhost.gateway.mapping import BackendRequest
-from llmhost.gateway.routing import ROUND_ROBIN, Chooser, Route
+from llmhost.gateway.routing.policies import ROUND_ROBIN, Chooser, Route
+from llmhost.gateway.upstreams.request import BackendRequest
 
 # How the messages begin that mean "this server cannot serve now; retry" (503), not
 # "your request is wrong" (400): the backend's (llmhost.backend.watchdog, health.py,

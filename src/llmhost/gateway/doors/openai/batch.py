@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from llmhost.gateway.mapping import BackendRequest
-from llmhost.gateway.upstream import Piece
+from llmhost.gateway.upstreams.client import Piece
+from llmhost.gateway.upstreams.request import BackendRequest
 
 
 def split(req: BackendRequest) -> list[BackendRequest]:

@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from llmhost.gateway.errors import ApiError
-from llmhost.gateway.mapping import BackendRequest
-from llmhost.gateway.upstream import Piece
+from llmhost.gateway.httpio import sse
+from llmhost.gateway.upstreams.client import Piece
+from llmhost.gateway.upstreams.request import BackendRequest
 
 DONE = b"data: [DONE]\n\n"
 
@@ -20,12 +21,8 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-# One encoder for every event: json.dumps with separators builds a new one per call.
+# One encoder for every chunk: json.dumps with separators builds a new one per call.
 _encode = json.JSONEncoder(separators=(",", ":")).encode
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + _encode(obj).encode() + b"\n\n"
 
 
 def _envelope(empty_chunk: dict[str, Any]) -> tuple[bytes, bytes]:

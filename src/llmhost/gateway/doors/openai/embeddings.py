@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from llmhost.gateway.errors import invalid
-from llmhost.gateway.mapping import BackendRequest
+from llmhost.gateway.upstreams.request import BackendRequest
 
 # Inputs of one request in flight upstream at once (the rest wait their turn).
 CONCURRENT_INPUTS = 64

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-from dataclasses import dataclass
 from typing import Any
 
 from llmhost.gateway.errors import invalid, unsupported
+from llmhost.gateway.upstreams.request import RemoteImage
 
 # At most this many pictures in one request, each at most MAX_IMAGE_BYTES (the
 # backend's own bounds, llmhost.backend.images).
@@ -26,14 +26,6 @@ MAX_IMAGE_BYTES = 20 * 1024 * 1024
 FETCH_TIMEOUT_S = 10.0
 MAX_REDIRECTS = 3
 DETAILS = ("auto", "low", "high")
-
-
-@dataclass
-class RemoteImage:
-    """An http(s) URL the gateway may fetch, and the field that gave it."""
-
-    url: str
-    param: str
 
 
 def data_url_image(url: str, param: str) -> str:

@@ -106,7 +106,7 @@ class ToolCall(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     # None only for an assistant turn that called tools. Parts: text, and image_url
-    # (llmhost.gateway.images), checked by llmhost.gateway.mapping, which names the part.
+    # (llmhost.gateway.doors.openai.images), checked by llmhost.gateway.doors.openai.mapping, which names the part.
     content: str | list[dict[str, Any]] | None
     name: str | None = None
     # An assistant's tool calls, and the call a tool's result answers (OpenAI's).

@@ -27,14 +27,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llmhost.gateway.access import Access
+from llmhost.gateway.doors.openai.completion_bodies import Accumulator
+from llmhost.gateway.doors.openai.images import fetch_images
+from llmhost.gateway.doors.openai.mapping import _json_object, _validation_error, to_backend
+from llmhost.gateway.doors.openai.request_models import ChatCompletionRequest
 from llmhost.gateway.errors import ApiError, invalid, unsupported
 from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
-from llmhost.gateway.images import fetch_images
-from llmhost.gateway.mapping import BackendRequest, _json_object, _validation_error, to_backend
-from llmhost.gateway.openai_models import ChatCompletionRequest
 from llmhost.gateway.record import RequestRecord, record_of
-from llmhost.gateway.responses import Accumulator
-from llmhost.gateway.upstream import Piece
+from llmhost.gateway.upstreams.client import Piece
+from llmhost.gateway.upstreams.request import BackendRequest
 
 # Fields of OpenAI's Responses API for features this server does not have: refused by
 # name unless left at their null/off value.

@@ -19,12 +19,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from llmhost.gateway.access import Access
+from llmhost.gateway.doors.openai.mapping import parse_detokenize, parse_tokenize
 from llmhost.gateway.errors import ApiError
 from llmhost.gateway.httpio import ClientGone, error_response, json_response, read_body, until_disconnect
 from llmhost.gateway.keys import ApiKey
-from llmhost.gateway.mapping import BackendRequest, parse_detokenize, parse_tokenize
 from llmhost.gateway.record import record_of
-from llmhost.gateway.upstream import Piece
+from llmhost.gateway.upstreams.client import Piece
+from llmhost.gateway.upstreams.request import BackendRequest
 
 
 class TokenizeApi:
