@@ -16,6 +16,7 @@ help:
 	@echo "make test-fast  ruff, unit and recorded-run tests: the inner loop, a few minutes"
 	@echo "make test-rolling  the two-host module alone: three booted hosts, rolling.yml under load"
 	@echo "make setup      create .venv (vLLM CPU, Triton, test tools)"
+	@echo "make lock       rewrite the serving venv's hash-locked requirements (mk/lock.mk; LOCKS=\"$(LOCKS)\")"
 	@echo "make bench-compare  Triton path, gateway and vLLM's own server (numbers, not a test)"
 	@echo "make soak       10 minutes at concurrency 32 (numbers, not a test)"
 

