@@ -68,14 +68,16 @@ def _start_once(model: Path, workdir: Path, name: str, extra: list[str] | None) 
     cmd = [
         str(Path(sys.executable).parent / "llmhost"), "serve", "--model", str(model), "--name", name,
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-        "--workdir", str(workdir / "triton"), "--device", "cpu", "--max-model-len", "512",
+        # Relative, from WORKDIR: the server runs beside a folder named `triton`, which
+        # must not shadow the `triton` package for vLLM's processes.
+        "--workdir", "triton", "--device", "cpu", "--max-model-len", "512",
         "--drain-timeout", "20", "--start-timeout", str(START_TIMEOUT_S),
         # Structured output without free whitespace, so a random model finishes JSON.
         "--engine-arg", 'structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": true}',
         *(extra or []),
     ]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
     server = Server(name=name, http=f"http://127.0.0.1:{http}", grpc=f"127.0.0.1:{grpc}",
                     metrics=f"http://127.0.0.1:{metrics}", proc=proc, log=log,
                     engine_sockets=workdir / "triton" / "engine")

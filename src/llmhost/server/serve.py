@@ -143,6 +143,10 @@ def server_environment(workdir: Path, device: str, kv_cache_gib: int, triton: Tr
     libdirs = [python_libdir(), str(triton.libs or ""), env.get("LD_LIBRARY_PATH", "")]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libdirs if p)
     env.setdefault("HF_HUB_OFFLINE", "1")
+    # tritonserver runs in the caller's working directory. `python -m`/`-c` children
+    # (vLLM's model inspection, its spawned workers) would put it first on their
+    # path, where a folder named like a package (a `triton` workdir, say) shadows it.
+    env["PYTHONSAFEPATH"] = "1"
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.setdefault("VLLM_CACHE_ROOT", str(workdir / "vllm-cache"))
     env[STOP_FILE_ENV] = str(workdir / STOP_FILE_NAME)  # see llmhost.server.stopfile
