@@ -30,7 +30,7 @@ def _names(procs: list[psutil.Process]) -> set[str]:
 
 
 def _gateway_traffic(srv: Server) -> int:
-    """160 requests over gRPC the way the gateway sends them (llmhost.gateway.upstream),
+    """160 requests over gRPC the way the gateway sends them (llmhost.gateway.upstreams.client),
     four at a time; the number answered in full."""
     request = BackendRequest(model=srv.name, text_input="def main():", messages=None,
                              sampling={"max_tokens": 8, "ignore_eos": True}, stream=False, n=1,

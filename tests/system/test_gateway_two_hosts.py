@@ -395,7 +395,7 @@ class _Traffic:
 
 def _pool_changes(c: GatewayOnly) -> list[str]:
     """The changes of its upstreams' states that C's gateway wrote to its journal
-    (llmhost.gateway.pool), each with its time."""
+    (llmhost.gateway.routing.pool), each with its time."""
     log = c.host.exec(["journalctl", "-u", "llmhost-gateway", "--no-pager", "-o", "short-precise"]).stdout
     return [f"{line.split()[2]} {line[line.index(': upstream ') + 2:]}" for line in log.splitlines()
             if ": upstream " in line][-60:]

@@ -1,4 +1,4 @@
-"""Triton's gRPC API on the gateway (grpc_door): requests decoded into the HTTP
+"""Triton's gRPC API on the gateway (llmhost.gateway.doors.grpc): requests decoded into the HTTP
 door's generate request, responses encoded as Triton's Python backend sends them,
 and a real gRPC server over a fake upstream: keys, scopes, limits, streams with the
 empty final response, records for metrics and the access log."""

@@ -1,4 +1,4 @@
-"""How the gateway ends its gRPC stream to Triton (llmhost.gateway.upstream): a
+"""How the gateway ends its gRPC stream to Triton (llmhost.gateway.upstreams.client): a
 request that finished is half-closed and the call left to end (cancelling it leaked
 the model in Triton 2.51, tests/e2e/test_shutdown.py), one still running is cancelled."""
 
