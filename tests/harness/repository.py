@@ -78,26 +78,32 @@ STUCK_LOAD_S = 300
 
 def load(server: Server, name: str) -> requests.Response:
     """Load NAME. A load with no answer in STUCK_LOAD_S whose stub has started its
-    engine is slow (a busy machine), not stuck: it gets until LOAD_TIMEOUT_S. One whose
-    stub started nothing is in Triton's stub-launch hang: it is ended by killing that
-    model's stub (its resource tracker last, so no shared memory leaks), which fails the
-    launch, and tried once more. Either says so on standard error."""
+    engine may be slow (a busy machine): it gets until LOAD_TIMEOUT_S to leave LOADING.
+    One still loading then, or whose stub started nothing, is in Triton's stub-launch
+    hang: it is ended by killing that model's stub (its resource tracker last, so no
+    shared memory leaks), which fails the launch, and tried once more. Either says so
+    on standard error."""
     url = f"{server.http}/v2/repository/models/{name}/load"
     try:
         return requests.post(url, headers=admin_headers(server), timeout=STUCK_LOAD_S)
     except requests.ReadTimeout:
         pass
+
+    def loading() -> bool:
+        return index(server).get(name, {}).get("state") == "LOADING"
+
     stubs = [p for p in server.descendants() if _is_stub_of(p, name)]
     started = [p for stub in stubs for p in _children(stub) if not is_resource_tracker(p)]
     if started:
         print(f"repository.load: {name} did not load in {STUCK_LOAD_S} s but its stub started "
               f"{[p.pid for p in started]}; waiting for the load", file=sys.stderr, flush=True)
-        wait_until(lambda: index(server).get(name, {}).get("state") != "LOADING", LOAD_TIMEOUT_S - STUCK_LOAD_S)
-    else:
-        print(f"repository.load: {name} did not load in {STUCK_LOAD_S} s (Triton's stub-launch hang); "
-              f"killing its stub(s) {[p.pid for p in stubs]} and loading it again", file=sys.stderr, flush=True)
+        wait_until(lambda: not loading(), LOAD_TIMEOUT_S - STUCK_LOAD_S)
+    if loading():
+        stubs = [p for p in server.descendants() if _is_stub_of(p, name)]
+        print(f"repository.load: {name} did not load (Triton's stub-launch hang); killing its stub(s) "
+              f"{[p.pid for p in stubs]} and loading it again", file=sys.stderr, flush=True)
         kill_processes([p for stub in stubs for p in [*_children(stub), stub]])
-        wait_until(lambda: index(server).get(name, {}).get("state") != "LOADING", 120)
+        wait_until(lambda: not loading(), 120)
     return requests.post(url, headers=admin_headers(server), timeout=LOAD_TIMEOUT_S)
 
 
