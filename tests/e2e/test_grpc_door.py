@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -122,6 +123,52 @@ def test_the_asyncio_client_streams_and_model_infer_answers_whole(door: Door, se
 
     streamed, whole = asyncio.run(go())
     assert streamed == full and whole == full
+
+
+def test_requests_shaped_as_vllm_backends_sample_client_are_answered_by_id(door: Door, server: Server):
+    """NVIDIA vllm_backend's sample client (samples/client.py) sends its prompts as
+    requests of one stream_infer call, each with a request_id, `text_input`, `stream`,
+    the sampling parameters as a JSON `sampling_parameters` tensor and again as request
+    parameters (string values, "0.1", "100"), and asks for `text_output`; it files each
+    response under its id. Both of its modes (streamed and not), with the key added."""
+    full = _http_text(door, server)
+    prompts = [PROMPT, "def main():", "import os"]
+    sampling = {"temperature": "0", "max_tokens": str(GREEDY["max_tokens"]), "ignore_eos": "true"}
+
+    def request(prompt: str, request_id: str, stream: bool) -> dict[str, Any]:
+        inputs = [_text_input(prompt), _bool("stream", stream), _bool("exclude_input_in_output", True)]
+        params = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+        params.set_data_from_numpy(np.array([json.dumps(sampling).encode()], dtype=np.object_))
+        inputs.append(params)
+        return {"model_name": server.name, "inputs": inputs, "request_id": request_id,
+                "outputs": [grpcclient.InferRequestedOutput("text_output")], "parameters": sampling}
+
+    async def run(stream: bool) -> tuple[dict[str, list[str]], int]:
+        results: dict[str, list[str]] = {}
+        errors = 0
+
+        async def requests() -> Any:
+            for i, prompt in enumerate(prompts):
+                results[str(i)] = []
+                yield request(prompt, str(i), stream)
+
+        async with aioclient.InferenceServerClient(door.grpc) as client:
+            async for result, error in client.stream_infer(requests(), headers=AUTH, stream_timeout=120):
+                if error is not None:
+                    errors += 1
+                    continue
+                out = result.as_numpy("text_output")
+                if out is not None:  # the stream ends once every request is answered, as the sample reads it
+                    results[result.get_response().id].extend(x.decode() for x in out)
+        return results, errors
+
+    whole, errors = asyncio.run(run(False))
+    assert errors == 0 and sorted(whole) == ["0", "1", "2"], whole
+    assert all(len(v) == 1 for v in whole.values()), whole  # one response a request when not streamed
+    assert whole["0"] == [full], whole
+    streamed, errors = asyncio.run(run(True))
+    assert errors == 0 and "".join(streamed["0"]) == full, streamed
+    assert all(len(streamed[k]) > 1 for k in streamed), streamed  # one response per engine step
 
 
 def _refused(door: Door, server: Server, inputs: list[Any], model: str | None = None,
