@@ -16,7 +16,7 @@ import pytest
 
 from tests.harness.gateway import openai_client
 from tests.harness.net import CLIENT_TIMEOUT_S
-from tests.harness.openai_checks import WEATHER
+from tests.harness.openai_checks import WEATHER, Target, a_one_tool_agent_of_the_agents_sdk
 from tests.harness.vllm_server import VllmServer
 
 INSTRUCTIONS = "Complete the code."
@@ -128,39 +128,5 @@ def test_a_wrong_key_is_401(ours, server):
 
 
 def test_a_one_tool_agent_of_the_agents_sdk(ours, server):
-    """OpenAI's Agents SDK (openai-agents), which calls /v1/responses by default: one agent
-    with one function tool, whole and streamed. The random tiny model never ends a text
-    turn by itself, so the agent is told to call the tool and stop on its first result."""
-    import asyncio
-
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
-
-    set_tracing_disabled(True)
-    calls: list[str] = []
-
-    @function_tool
-    def get_time() -> str:
-        """The time now."""
-        calls.append("get_time")
-        return "12:00"
-
-    async def run(stream: bool) -> Any:
-        client = openai.AsyncOpenAI(base_url=str(ours.base_url), api_key=ours.api_key, max_retries=0,
-                                    timeout=CLIENT_TIMEOUT_S)
-        agent = Agent(name="clock", instructions="Tell the time.", tools=[get_time],
-                      tool_use_behavior="stop_on_first_tool",
-                      model=OpenAIResponsesModel(model=server.name, openai_client=client),
-                      model_settings=ModelSettings(tool_choice="get_time", temperature=0, max_tokens=24))
-        if not stream:
-            return await Runner.run(agent, "What time is it?", max_turns=4)
-        result = Runner.run_streamed(agent, "What time is it?", max_turns=4)
-        async for _ in result.stream_events():
-            pass
-        return result
-
-    for stream in (False, True):
-        result = asyncio.run(run(stream))
-        kinds = [type(item).__name__ for item in result.new_items]
-        assert kinds == ["ToolCallItem", "ToolCallOutputItem"], (stream, kinds)
-        assert result.final_output == "12:00"
-    assert calls == ["get_time", "get_time"]
+    """The check `make demo-check` and the booted host run too (tests/harness/openai_checks.py)."""
+    print(a_one_tool_agent_of_the_agents_sdk(Target(ours, server.name, server.http)))

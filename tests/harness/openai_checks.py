@@ -1,6 +1,7 @@
-"""The OpenAI API as applications use it, checked with the official `openai` client
-against a running gateway: the booted host's (tests/system/test_gateway_on_host.py)
-and `make demo`'s (`make demo-check`, which runs this module).
+"""The OpenAI API as applications use it, checked with the official `openai` client and
+a one-tool agent of OpenAI's Agents SDK against a running gateway: the booted host's
+(tests/system/test_gateway_on_host.py) and `make demo`'s (`make demo-check`, which runs
+this module).
 
 The models are random (inventory/demo.yml): token counts are held with ignore_eos, and
 tool calls are forced (by name, or "required" with one call), where vLLM holds the
@@ -195,10 +196,51 @@ def embeddings_of_two_inputs(t: Target) -> str:
     return f"{len(floats.data)} embeddings of {len(a)} floats (base64 the same), {floats.usage.prompt_tokens} tokens"
 
 
+def a_one_tool_agent_of_the_agents_sdk(t: Target) -> str:
+    """OpenAI's Agents SDK (openai-agents), which calls /v1/responses by default: one agent
+    with one function tool, whole and streamed. The random model never ends a text turn
+    by itself, so the agent is told to call the tool and stop on its first result."""
+    import asyncio
+
+    import openai
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_time() -> str:
+        """The time now."""
+        calls.append("get_time")
+        return "12:00"
+
+    async def run(stream: bool) -> Any:
+        client = openai.AsyncOpenAI(base_url=str(t.client.base_url), api_key=t.client.api_key, max_retries=0,
+                                    timeout=t.client.timeout)
+        agent = Agent(name="clock", instructions="Tell the time.", tools=[get_time],
+                      tool_use_behavior="stop_on_first_tool",
+                      model=OpenAIResponsesModel(model=t.model, openai_client=client),
+                      model_settings=ModelSettings(tool_choice="get_time", temperature=0, max_tokens=24))
+        if not stream:
+            return await Runner.run(agent, "What time is it?", max_turns=4)
+        result = Runner.run_streamed(agent, "What time is it?", max_turns=4)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    for stream in (False, True):
+        result = asyncio.run(run(stream))
+        kinds = [type(item).__name__ for item in result.new_items]
+        assert kinds == ["ToolCallItem", "ToolCallOutputItem"], (stream, kinds)
+        assert result.final_output == "12:00", (stream, result.final_output)
+    assert calls == ["get_time", "get_time"], calls
+    return "an agent with one tool called it and stopped on its result, whole and streamed (/v1/responses)"
+
+
 CHECKS: list[Callable[[Target], str]] = [
     logprobs_chat_streamed_and_completions, named_and_required_tool_calls_and_a_tool_result_turn,
     json_object_and_structured_choice, token_id_prompts_and_echo, n_streamed_and_a_fixed_seed,
-    stop_token_ids_and_max_completion_tokens, embeddings_of_two_inputs]
+    stop_token_ids_and_max_completion_tokens, a_one_tool_agent_of_the_agents_sdk, embeddings_of_two_inputs]
 
 
 def run_all(t: Target) -> int:
