@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to drain on shutdown")
     s.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
     s.add_argument("--engine-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
-                   help="extra vLLM engine argument (value parsed as JSON when it can be)")
+                   help="extra vLLM engine argument (value parsed as JSON when it can be); the engine runs in "
+                        "WORKDIR/run, so give file paths absolute")
     s.add_argument("--setting", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="a backend setting of model.json's llmhost section, e.g. --setting stream_interval_ms=0")
     s.add_argument("--multi-lora", type=Path, metavar="PATH",

@@ -47,6 +47,11 @@ ADMIN_KEY_FILE = "admin-key"
 # The folder of the engine sockets, in the work directory.
 ENGINE_SOCKET_DIR = "engine"
 REPOSITORY_DIR = "models"
+# tritonserver's working directory, in the work directory, and empty: its Python
+# processes (the stub, vLLM's `python -m` helpers and workers) put it first on their
+# path, where a folder named like a package (a `triton` folder beside the caller) would
+# shadow that package. Relative paths in engine arguments are taken from it.
+RUN_DIR = "run"
 
 
 @dataclass
@@ -143,10 +148,6 @@ def server_environment(workdir: Path, device: str, kv_cache_gib: int, triton: Tr
     libdirs = [python_libdir(), str(triton.libs or ""), env.get("LD_LIBRARY_PATH", "")]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libdirs if p)
     env.setdefault("HF_HUB_OFFLINE", "1")
-    # tritonserver runs in the caller's working directory. `python -m`/`-c` children
-    # (vLLM's model inspection, its spawned workers) would put it first on their
-    # path, where a folder named like a package (a `triton` workdir, say) shadows it.
-    env["PYTHONSAFEPATH"] = "1"
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.setdefault("VLLM_CACHE_ROOT", str(workdir / "vllm-cache"))
     env[STOP_FILE_ENV] = str(workdir / STOP_FILE_NAME)  # see llmhost.server.stopfile
@@ -189,8 +190,9 @@ def prepare(opts: ServeOptions) -> tuple[list[str], dict[str, str], Path]:
     if not (opts.model / "config.json").is_file():
         raise SystemExit(f"llmhost serve: {opts.model} is not a Hugging Face model directory (no config.json)")
     device = detect_device() if opts.device == "auto" else opts.device
-    workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="llmhost-serve-"))
+    workdir = (opts.workdir or Path(tempfile.mkdtemp(prefix="llmhost-serve-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / RUN_DIR).mkdir(exist_ok=True)
     triton = TritonInstall.from_pytriton()
     make_backend_dir(workdir / "backends", triton)
     repo = workdir / REPOSITORY_DIR
@@ -365,7 +367,7 @@ def run(opts: ServeOptions, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ma
         print(f"llmhost serve: starting tritonserver for model '{opts.name}' ({workdir})", flush=True)
         remove_stop_files(stop_file)
         started = time.time()
-        proc = subprocess.Popen(cmd, env=env)
+        proc = subprocess.Popen(cmd, env=env, cwd=workdir / RUN_DIR)
         current[:] = [proc]
         if stopping.is_set():  # a signal that came while no tritonserver ran
             proc.send_signal(signal.SIGTERM)
