@@ -192,7 +192,6 @@ def prepare(opts: ServeOptions) -> tuple[list[str], dict[str, str], Path]:
     device = detect_device() if opts.device == "auto" else opts.device
     workdir = (opts.workdir or Path(tempfile.mkdtemp(prefix="llmhost-serve-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / RUN_DIR).mkdir(exist_ok=True)
     triton = TritonInstall.from_pytriton()
     make_backend_dir(workdir / "backends", triton)
     repo = workdir / REPOSITORY_DIR
@@ -367,6 +366,7 @@ def run(opts: ServeOptions, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ma
         print(f"llmhost serve: starting tritonserver for model '{opts.name}' ({workdir})", flush=True)
         remove_stop_files(stop_file)
         started = time.time()
+        (workdir / RUN_DIR).mkdir(parents=True, exist_ok=True)
         proc = subprocess.Popen(cmd, env=env, cwd=workdir / RUN_DIR)
         current[:] = [proc]
         if stopping.is_set():  # a signal that came while no tritonserver ran
