@@ -17,17 +17,21 @@ again): one start for both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+import requests
 
 from llmhost.backend.health import UNHEALTHY_MESSAGE
+from llmhost.server.reaping import end_processes
 from tests.e2e._client import generate
 from tests.e2e._servers import ExplicitServers
 from tests.harness import repository as repo
@@ -43,6 +47,27 @@ class _State:
     server: Server
     triton_pid: int
     shm_before: set[str]
+    stuck: str = ""  # why the server was ended: a load held by Triton's stub-launch hang
+
+
+def _load(st: _State, name: str) -> requests.Response:
+    """repository.load, and when Triton's stub-launch hang (an upstream bug of the
+    python backend 24.10 under CPU starvation, docs/testing.md) holds the server for
+    good, the server is ended, its processes before their resource trackers, and this
+    and the module's later tests are skipped saying so: what they check needs a server
+    that did not hit the hang."""
+    if st.stuck:
+        pytest.skip(st.stuck)
+    try:
+        return repo.load(st.server, name)
+    except repo.StuckLoad as exc:
+        st.stuck = f"skipped: {exc}"
+        print(f"\n{st.stuck}", file=sys.stderr, flush=True)
+        kids = st.server.descendants()
+        with contextlib.suppress(psutil.Error):
+            end_processes([*kids, psutil.Process(st.server.proc.pid)], grace_s=5)
+        st.server.proc.wait(timeout=30)
+        pytest.skip(st.stuck)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +80,12 @@ def state(explicit_servers: ExplicitServers) -> Iterator[_State]:
         kids = srv.descendants()
         srv.stop()
         wait_gone(kids)
+
+
+@pytest.fixture(autouse=True)
+def _not_stuck(state: _State) -> None:
+    if state.stuck:
+        pytest.skip(state.stuck)
 
 
 def _same_tritonserver(st: _State) -> None:
@@ -93,7 +124,7 @@ def _engine_core(pids: set[int]) -> psutil.Process:
 
 def _load_serve_unload(st: _State, name: str, base: set[int], what: str) -> None:
     """Load NAME, answer one request, unload it: back to the processes of BASE."""
-    r = repo.load(st.server, name)
+    r = _load(st, name)
     assert r.status_code == 200, (what, r.text)
     assert generate(dataclasses.replace(st.server, name=name), text_input=PROMPT, max_tokens=4)["_status"] == 200
     r = repo.unload(st.server, name)
@@ -106,7 +137,7 @@ def test_health_check_on_a_dead_engine_makes_the_model_unavailable(state: _State
     srv = state.server
     base = repo.live_pids(srv)
     repo.add_model(srv, "tiny_hc", params={"REPORT_CUSTOM_METRICS": "true", "ENABLE_VLLM_HEALTH_CHECK": "true"})
-    r = repo.load(srv, "tiny_hc")
+    r = _load(state, "tiny_hc")
     assert r.status_code == 200, r.text
     hc = dataclasses.replace(srv, name="tiny_hc")
     assert generate(hc, text_input=PROMPT, max_tokens=4)["_status"] == 200
@@ -138,7 +169,7 @@ def test_load_unload_and_failing_loads_leave_nothing_behind(state: _State):
     for round_ in (1, 2):
         _load_serve_unload(state, "tiny_cycle", base, f"round {round_}, first load")
 
-        r = repo.load(srv, "tiny_bad")
+        r = _load(state, "tiny_bad")
         assert r.status_code >= 400, (round_, r.text)
         assert "model.json" in r.text, r.text  # the load error names the bad file
         _wait_back_to(state, base, f"round {round_}, failing load")
@@ -169,7 +200,7 @@ def test_a_repository_laid_out_for_nvidias_vllm_backend_loads_unchanged(state: _
         'backend: "vllm"\n\ninstance_group [\n  {\n    count: 1\n    kind: KIND_MODEL\n  }\n]\n')
     (model / "1" / "model.json").write_text(json.dumps(
         {"model": str(tiny_model), "enforce_eager": True, "dtype": "bfloat16", "max_model_len": 512}, indent=4))
-    r = repo.load(srv, "nv_layout")
+    r = _load(state, "nv_layout")
     assert r.status_code == 200, r.text
     nv = dataclasses.replace(srv, name="nv_layout")
     out = generate(nv, text_input=PROMPT, exclude_input_in_output=True, return_num_output_tokens=True,

@@ -76,6 +76,10 @@ def add_model(server: Server, name: str, params: dict[str, str] | None = None,
 STUCK_LOAD_S = 300
 
 
+class StuckLoad(RuntimeError):
+    """A load that Triton's stub-launch hang holds for good: the server must go."""
+
+
 def load(server: Server, name: str) -> requests.Response:
     """Load NAME. A load with no answer in STUCK_LOAD_S whose stub has started its
     engine may be slow (a busy machine): it gets until LOAD_TIMEOUT_S to leave LOADING.
@@ -104,7 +108,11 @@ def load(server: Server, name: str) -> requests.Response:
               f"{[p.pid for p in stubs]} and loading it again", file=sys.stderr, flush=True)
         kill_processes([p for stub in stubs for p in [*_children(stub), stub]])
         wait_until(lambda: not loading(), 120)
-    return requests.post(url, headers=admin_headers(server), timeout=LOAD_TIMEOUT_S)
+    try:
+        return requests.post(url, headers=admin_headers(server), timeout=STUCK_LOAD_S)
+    except requests.ReadTimeout:
+        raise StuckLoad(f"{name} did not load again after its stub was killed: tritonserver is left in "
+                        "Triton's stub-launch hang (docs/testing.md)") from None
 
 
 def _children(proc: psutil.Process) -> list[psutil.Process]:
