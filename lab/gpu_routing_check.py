@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.28)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--model-shape", choices=("qwen3", "qwen3-8b"), default="qwen3",
+                    help="lab.gpucheck.model's shape: qwen3 (0.6B) or qwen3-8b")
     ap.add_argument("--prefix-requests", type=int, default=0,
                     help="requests a prefix run sends (0: max(256, 4 x concurrency)); many requests a prefix "
                          "measure the steady state rather than each prefix's first, cold computation")
@@ -308,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "routing_module": {"file": routing.__file__, "policies": list(routing.POLICIES),
                            "default_policy": routing.DEFAULT_POLICY, "prefix_chars": routing.DEFAULT_PREFIX_CHARS,
                            "load_factor": routing.DEFAULT_LOAD_FACTOR},
+        "model_shape": args.model_shape,
         "replicas": {"count": 2, "on": "one GPU, two llmhost serve --device gpu servers started one after the other",
                      "engine_args": engine},
         "gateway": {"workers": worker_count(0), "max_concurrent_upstream": 1024,
@@ -329,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "result.json").write_text(json.dumps(res, indent=1) + "\n")
 
     replica_cls, gateway_cls = _servers()
-    model = Path("/tmp/lh-qwen3")
+    model = Path(f"/tmp/lh-{args.model_shape}")
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                VLLM_CACHE_ROOT=str(args.work / "vllm-cache"), PYTHONUNBUFFERED="1")
     replicas = [replica_cls(side, model, args.work, args.work / f"serve-{side}.log", engine, env,
@@ -414,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         t0 = time.monotonic()
-        make_in_child("qwen3", model)
+        make_in_child(args.model_shape, model)
         res["model_made_s"] = round(time.monotonic() - t0, 1)
         res["seed_check"] = seed_check(str(model))
         log(f"model ready; prefix_repetition seeds: {res['seed_check']}")

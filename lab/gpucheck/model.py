@@ -17,8 +17,18 @@ from typing import Any
 MAX_MODEL_LEN = 4096
 
 
+# Qwen3 shapes but for the vocabulary (the tiny model's tokenizer has 4,096 tokens).
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
+    "qwen3-8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "tie_word_embeddings": False},
+}
+
+
 def make_model(kind: str, path: Path, seed: int = 0) -> dict[str, Any]:
-    """The tiny model, or Qwen3-0.6B's shape with the tiny model's tokenizer (random bf16)."""
+    """The tiny model, or a shape of SHAPES with the tiny model's tokenizer (random bf16)."""
     from llmhost.tiny.model import write_tiny_model
 
     if (path / "config.json").exists():
@@ -36,14 +46,17 @@ def make_model(kind: str, path: Path, seed: int = 0) -> dict[str, Any]:
         if f.name not in ("config.json", "model.safetensors") and not f.name.startswith("."):
             shutil.copy2(f, path / f.name)
     tok = AutoTokenizer.from_pretrained(str(path))
-    config = Qwen3Config(vocab_size=4096, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                         max_position_embeddings=MAX_MODEL_LEN, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+    config = Qwen3Config(vocab_size=4096, **SHAPES[kind], max_position_embeddings=MAX_MODEL_LEN,
+                         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
                          pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None,
                          torch_dtype="bfloat16")
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+        if kind == "qwen3":
+            model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+        else:  # made in float32 first, an 8B model would take 30 GB
+            torch.set_default_dtype(torch.bfloat16)
+            model = Qwen3ForCausalLM(config)
     model.save_pretrained(str(path), safe_serialization=True)
     del model
     for f in path.iterdir():
