@@ -1,4 +1,4 @@
-"""The `llmhost` command: tiny-model, tiny-vision-model, tiny-lora, serve, smoke, bench, gateway."""
+"""The `llmhost` command: tiny-model, tiny-vision-model, tiny-lora, serve, follow, smoke, bench, gateway."""
 
 from __future__ import annotations
 
@@ -122,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a tritonserver that does not answer this long after its start is taken as hung, "
                         "killed and started again (a restart within --max-restarts; default 600)")
 
+    f = sub.add_parser("follow", help="run the worker side of a model spread over several hosts (vLLM's "
+                                      "headless multi-node workers), joining the head host's engine")
+    f.add_argument("--model-json", type=Path, required=True,
+                   help="the model's model.json, the same as the head's (its layout, nnodes, master_addr, "
+                        "master_port)")
+    f.add_argument("--node-rank", type=int, required=True, help="this host's rank, 1..nnodes-1 (0 is the head)")
+    f.add_argument("--host-ip", help="this host's address on the network the model's hosts share (VLLM_HOST_IP)")
+    f.add_argument("--head-grace", type=float, default=2.0, metavar="SECONDS",
+                   help="exit (for the unit to start it again) once the head's engine has had no connection to "
+                        "the workers this long (default 2)")
     k = sub.add_parser("smoke", help="check that an endpoint serves; exit 1 naming what failed")
     k.add_argument("--url", default="http://127.0.0.1:8000", help="Triton HTTP URL")
     k.add_argument("--metrics-url", help="Triton metrics URL, e.g. http://127.0.0.1:8002")
@@ -349,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         except (LayoutError, AdminKeyError, PlacementError) as exc:
             print(f"llmhost serve: {exc}", file=sys.stderr)
             return 2
+    if args.command == "follow":
+        from llmhost.follower import follow
+
+        return follow(args.model_json, args.node_rank, args.host_ip, args.head_grace)
     if args.command == "smoke":
         from llmhost.smoke import Smoke, render
 

@@ -108,6 +108,20 @@ class BackendSettings:
     # named function need one. "": none; tools are only shown to the chat template.
     # The reasoning parser is vLLM's own engine argument `reasoning_parser`.
     tool_parser: str = ""
+    # A model spread over several hosts (vLLM's multi-node runtime: model.json's
+    # nnodes, node_rank 0, master_addr, master_port and the layout): the addresses of
+    # the other hosts, where `llmhost follow` runs the worker side, separated by
+    # commas. The engine must keep a connection to each; once one is gone for
+    # follower_grace_s, the engine is handled as dead (exit_server_on_engine_death),
+    # so the model reads not ready at once and loads again when the follower is back.
+    followers: str = ""
+    # Seconds a follower may have no connection to this host's engine before the
+    # engine counts as dead.
+    follower_grace_s: float = 2.0
+    # This host's address on the network the model's hosts share (vLLM's
+    # VLLM_HOST_IP), set before vLLM starts. "": vLLM's own guess, which on a host
+    # with several interfaces may be the wrong one.
+    host_ip: str = ""
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,9 @@ _GPU_LIST = re.compile(r"(?:\d+(?:,\d+)*)?")
 # String settings holding a name (checked against vLLM's registry when the engine starts).
 NAMES = ("tool_parser",)
 _NAME = re.compile(r"[A-Za-z0-9_.-]*")
+# String settings holding host names or addresses, separated by commas.
+ADDRESSES = ("followers", "host_ip")
+_ADDRESS_LIST = re.compile(r"(?:[A-Za-z0-9_.:-]+(?:,[A-Za-z0-9_.:-]+)*)?")
 # String settings with a fixed set of values.
 CHOICES: dict[str, tuple[str, ...]] = {"engine_start_method": ("spawn", "fork")}
 # Integer settings whose smallest value is not 1.
@@ -149,6 +166,11 @@ def _check_type(name: str, value: Any, default: Any) -> Any:
         if not isinstance(value, str) or not _NAME.fullmatch(value):
             raise ConfigError(f"model.json: llmhost.{name} must be a parser's name (letters, digits, _ . -) "
                               f"or \"\", got {value!r}")
+        return value
+    if name in ADDRESSES:
+        if not isinstance(value, str) or not _ADDRESS_LIST.fullmatch(value):
+            raise ConfigError(f"model.json: llmhost.{name} must be host names or addresses separated by commas "
+                              f"(e.g. \"10.0.0.2,10.0.0.3\") or \"\", got {value!r}")
         return value
     if isinstance(default, str):
         if not isinstance(value, str) or not _GPU_LIST.fullmatch(value):

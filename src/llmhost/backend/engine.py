@@ -38,9 +38,12 @@ from llmhost.backend.tokens import tokens_answer
 from llmhost.backend.watchdog import (
     WATCH_INTERVAL_S,
     EngineWatch,
+    FollowerWatch,
     StallWatch,
     client_message,
+    connected_peers,
     engine_death_cause,
+    resolve_followers,
     stop_tritonserver,
     watch_outputs,
 )
@@ -221,6 +224,8 @@ class EngineRunner:
         self._stop_server = stop_server or stop_tritonserver
         self._watch = EngineWatch()
         self._stall = StallWatch(config.settings.engine_hang_timeout_s)
+        # Set once the engine is up, for a model spread over several hosts.
+        self._followers: FollowerWatch | None = None
         # Draining: set once the server is stopping (stopfile) or the model unloads.
         self._stop_file = stop_file if stop_file is not None else stop_file_from_env()
         self._server_pid = os.getppid() if server_pid is None else server_pid
@@ -289,6 +294,10 @@ class EngineRunner:
             from llmhost.backend.stats import stat_logger_factory
 
             args = build_engine_args(self.config.engine_args)
+            settings = self.config.settings
+            followers = resolve_followers(settings.followers)
+            if settings.host_ip:
+                os.environ["VLLM_HOST_IP"] = settings.host_ip
             # Read by vLLM when it starts EngineCore (and, for tensor parallel, its workers).
             os.environ[START_METHOD_ENV] = self.config.settings.engine_start_method
             # As vLLM's own server: the usage context picks the scheduler's defaults
@@ -320,6 +329,9 @@ class EngineRunner:
         loop_type = type(asyncio.get_running_loop())
         if not loop_type.__module__.startswith("asyncio"):  # the experiment switch: say which loop runs
             self.log(f"engine event loop: {loop_type.__module__}.{loop_type.__qualname__}")
+        if followers:
+            self._followers = FollowerWatch(followers, settings.follower_grace_s)
+            self.log(f"the engine is up with its followers {', '.join(followers)}; watching their connections")
         ready.set()
         watchdog = asyncio.create_task(self._watchdog(), name="llmhost-engine-watchdog")
         await self._stop.wait()
@@ -346,6 +358,12 @@ class EngineRunner:
             if cause is not None:
                 await self._engine_died(cause)
                 return
+            if self._followers is not None:
+                peers = await asyncio.get_running_loop().run_in_executor(None, connected_peers, os.getpid())
+                cause = self._followers.check(peers)
+                if cause is not None:
+                    await self._engine_died(cause, "lost a follower")
+                    return
             with self.active_lock:
                 handed_over = [a.handed_over for a in self.active.values() if a.handed_over is not None]
             cause = self._stall.check(handed_over)

@@ -173,3 +173,89 @@ def stop_tritonserver(log: Callable[[str], None], ppid: int | None = None,
         log(f"could not signal tritonserver (pid {ppid}): {exc}")
         return False
     return True
+
+
+def follower_cause(follower: str, grace_s: float) -> str:
+    """The cause clients and the log read when a follower host went away."""
+    return (f"its follower {follower} has had no connection to it for {grace_s:g} s: the follower's "
+            "llmhost-follower unit stopped, or that host or the network between them is down")
+
+
+class FollowerWatch:
+    """The decision part of watching a model spread over several hosts: fed the
+    addresses the engine's processes are connected to, tells once that a follower
+    is gone.
+
+    vLLM's engine on the head host does not notice a follower that died while no
+    request runs (its /health stays ok); the next request fails, or hangs in a
+    collective. Every follower's workers keep TCP connections to the head's engine
+    (torch.distributed's store and process groups, vLLM's message queues) for as long
+    as they live, so a follower with none for GRACE_S is gone. FOLLOWERS are the
+    followers' addresses as the connections show them (IP addresses)."""
+
+    def __init__(self, followers: Iterable[str], grace_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.followers = [normalize_ip(f) for f in followers]
+        self.grace_s = grace_s
+        self._clock = clock
+        start = clock()
+        self._last_seen = {f: start for f in self.followers}
+        self.cause: str | None = None
+
+    def check(self, peers: set[str]) -> str | None:
+        """The cause the first time a follower is seen gone; None before and after.
+        PEERS: the remote addresses of the engine processes' established connections."""
+        if self.cause is not None:
+            return None
+        now = self._clock()
+        for follower in self.followers:
+            if follower in peers:
+                self._last_seen[follower] = now
+            elif now - self._last_seen[follower] >= self.grace_s:
+                self.cause = follower_cause(follower, self.grace_s)
+                return self.cause
+        return None
+
+
+def normalize_ip(address: str) -> str:
+    """An address as psutil shows a connection's peer: IPv4 without the IPv6 mapping."""
+    return address[len("::ffff:"):] if address.startswith("::ffff:") else address
+
+
+def resolve_followers(names: str) -> list[str]:
+    """The IP addresses of model.json's `followers` (names or addresses, by commas)."""
+    import socket
+
+    from llmhost.backend.config import ConfigError
+
+    found = []
+    for name in (n.strip() for n in names.split(",")):
+        if not name:
+            continue
+        try:
+            found.append(normalize_ip(socket.gethostbyname(name)))
+        except OSError as exc:
+            raise ConfigError(f"model.json: llmhost.followers: cannot resolve {name!r}: {exc}") from None
+    return found
+
+
+def connected_peers(root_pid: int) -> set[str]:
+    """Remote addresses of the established TCP connections of ROOT_PID's descendants
+    (vLLM's EngineCore and its workers)."""
+    return {ip for ip, _ in connected_endpoints(root_pid)}
+
+
+def connected_endpoints(root_pid: int) -> set[tuple[str, int]]:
+    """Remote (address, port) of the established TCP connections of ROOT_PID's
+    descendants."""
+    import psutil
+
+    try:
+        pids = {p.pid for p in psutil.Process(root_pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+    found: set[tuple[str, int]] = set()
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.pid in pids and conn.status == psutil.CONN_ESTABLISHED and conn.raddr:
+            found.add((normalize_ip(conn.raddr.ip), int(conn.raddr.port)))
+    return found

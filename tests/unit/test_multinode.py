@@ -1,0 +1,148 @@
+"""A model spread over several hosts: the head's watch on its followers, the
+follower's watch on its head, and the settings and engine arguments they take."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmhost.backend.config import ConfigError, parse_model_config
+from llmhost.backend.watchdog import FollowerWatch, connected_endpoints, connected_peers, resolve_followers
+from llmhost.follower import HeadWatch, follower_engine_args
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_follower_watch_tells_once_a_follower_is_gone_for_its_grace():
+    clock = Clock()
+    watch = FollowerWatch(["10.0.0.2", "::ffff:10.0.0.3"], grace_s=2.0, clock=clock)
+    assert watch.check({"10.0.0.2", "10.0.0.3"}) is None
+    clock.now += 1.5
+    assert watch.check({"10.0.0.2"}) is None  # 10.0.0.3 missing for 1.5 s: within the grace
+    clock.now += 1.0
+    assert watch.check({"10.0.0.2", "10.0.0.3"}) is None  # back: its clock starts again
+    clock.now += 1.9
+    assert watch.check({"10.0.0.3"}) is None
+    clock.now += 0.2
+    cause = watch.check({"10.0.0.3"})
+    assert cause is not None and cause.startswith("its follower 10.0.0.2 has had no connection to it for 2 s")
+    assert watch.check(set()) is None  # told once
+
+
+def test_head_watch_waits_for_the_join_then_tells_once_the_store_connection_is_gone():
+    clock = Clock()
+    watch = HeadWatch(("10.0.0.1", 29500), grace_s=2.0, clock=clock)
+    clock.now += 600
+    assert watch.check([]) is None  # not joined yet: the head may still be starting
+    assert watch.check([("10.0.0.1", 40000)]) is None  # another port of the head is not its store
+    assert not watch.joined
+    assert watch.check([("10.0.0.1", 29500), ("10.0.0.9", 1)]) is None
+    assert watch.joined
+    clock.now += 1.9
+    assert watch.check([("10.0.0.1", 40000)]) is None
+    clock.now += 0.1
+    cause = watch.check([])
+    assert cause is not None and "10.0.0.1:29500 has had no connection to this follower's workers for 2 s" in cause
+    assert watch.check([]) is None
+
+
+@pytest.mark.parametrize("name, value", [
+    ("followers", "10.0.0.2,node-b.example"),
+    ("followers", ""),
+    ("host_ip", "10.0.0.1"),
+    ("host_ip", "fd00::1"),
+])
+def test_addresses_are_taken(name: str, value: str):
+    config = parse_model_config({"model": "/m", "llmhost": {name: value}})
+    assert getattr(config.settings, name) == value
+
+
+@pytest.mark.parametrize("name, value", [
+    ("followers", "10.0.0.2, 10.0.0.3"),
+    ("followers", "10.0.0.2;rm -rf"),
+    ("followers", ["10.0.0.2"]),
+    ("host_ip", 10),
+])
+def test_bad_addresses_are_refused_naming_the_setting(name: str, value: object):
+    with pytest.raises(ConfigError, match=f"llmhost.{name} must be host names or addresses separated by commas"):
+        parse_model_config({"model": "/m", "llmhost": {name: value}})
+
+
+def test_follower_grace_is_a_number_of_seconds():
+    assert parse_model_config({"model": "/m", "llmhost": {"follower_grace_s": 5}}).settings.follower_grace_s == 5.0
+    with pytest.raises(ConfigError, match=re.escape("llmhost.follower_grace_s must be >= 0")):
+        parse_model_config({"model": "/m", "llmhost": {"follower_grace_s": -1}})
+
+
+def test_followers_resolve_to_addresses_and_an_unknown_name_is_a_config_error():
+    assert resolve_followers("127.0.0.2, localhost") == ["127.0.0.2", socket.gethostbyname("localhost")]
+    assert resolve_followers("") == []
+    with pytest.raises(ConfigError, match=re.escape("llmhost.followers: cannot resolve 'no-such-host.invalid'")):
+        resolve_followers("no-such-host.invalid")
+
+
+HEAD = {"model": "/m", "pipeline_parallel_size": 2, "nnodes": 2, "master_addr": "10.0.0.1", "master_port": 29500}
+
+
+def test_follower_engine_args_are_the_heads_with_its_rank():
+    assert follower_engine_args(HEAD, 1) == {**HEAD, "node_rank": 1}
+
+
+@pytest.mark.parametrize("change, rank, message", [
+    ({"nnodes": 1}, 1, "nnodes must be an integer >= 2"),
+    ({"nnodes": "2"}, 1, "nnodes must be an integer >= 2"),
+    ({}, 0, "--node-rank must be 1..1"),
+    ({}, 2, "--node-rank must be 1..1"),
+    ({"master_addr": ""}, 1, "master_addr"),
+    ({"master_port": None}, 1, "master_port"),
+    ({"data_parallel_size": 2}, 1, "data_parallel_size > 1"),
+])
+def test_follower_refuses_what_is_no_multinode_layout(change: dict[str, object], rank: int, message: str):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        follower_engine_args({**HEAD, **change}, rank)
+
+
+def test_follow_names_a_bad_model_json_and_exits_2(tmp_path: Path):
+    model_json = tmp_path / "model.json"
+    model_json.write_text('{"model": "/m", "nnodes": 1}')
+    llmhost = str(Path(sys.executable).parent / "llmhost")
+    done = subprocess.run([llmhost, "follow", "--model-json", str(model_json), "--node-rank", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "llmhost follow: model.json: nnodes must be an integer >= 2" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_connections_of_this_process_tree_are_seen_with_their_peers():
+    # Only descendants count: this process's own end of the connection is not one.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    code = f"import socket, time; s = socket.create_connection(('127.0.0.1', {port})); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        conn, _ = listener.accept()
+        deadline = time.monotonic() + 10
+        while ("127.0.0.1", port) not in connected_endpoints(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ("127.0.0.1", port) in connected_endpoints(os.getpid())
+        assert "127.0.0.1" in connected_peers(os.getpid())
+        conn.close()
+    finally:
+        child.kill()
+        child.wait()
+        listener.close()
+    assert ("127.0.0.1", port) not in connected_endpoints(os.getpid())
+
