@@ -321,6 +321,7 @@ def _default_grpc(url: str) -> str:
 DELEGATED = {
     "gpu-info": ("llmhost.cuda", "main_gpu_info", "detect NVIDIA GPUs and pick the CUDA build of vLLM/PyTorch"),
     "placement": ("llmhost.server.placement", "main_placement", "check models' GPU placement (JSON in, JSON out)"),
+    "nodecheck": ("llmhost.nodecheck", "main", "check that the hosts of a model spread over several hosts agree"),
 }
 
 

@@ -3,6 +3,7 @@ follower's watch on its head, and the settings and engine arguments they take.""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -16,6 +17,7 @@ import pytest
 from llmhost.backend.config import ConfigError, parse_model_config
 from llmhost.backend.watchdog import FollowerWatch, connected_endpoints, connected_peers, resolve_followers
 from llmhost.follower import HeadWatch, follower_engine_args
+from llmhost.nodecheck import problems
 
 
 class Clock:
@@ -146,3 +148,72 @@ def test_connections_of_this_process_tree_are_seen_with_their_peers():
         listener.close()
     assert ("127.0.0.1", port) not in connected_endpoints(os.getpid())
 
+
+
+# -- nodecheck: what the hosts must agree on ------------------------------------------
+
+def _facts(**change: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "vllm": "0.20.2", "torch": "2.9.0+cu129", "model": "/opt/llmhost/weights/big/main", "model_present": True,
+        "gpus": 8, "interfaces": {"ens1": ["10.0.0.1"]}, "interface": "",
+        "layout": {"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "nnodes": 2}}
+    return {**base, **change}
+
+
+def test_hosts_that_agree_have_no_problem():
+    assert problems({"a": _facts(), "b": _facts(interfaces={"ens1": ["10.0.0.2"]})}) == []
+
+
+@pytest.mark.parametrize("b, message", [
+    (_facts(vllm="0.20.1"), "different vLLM versions on the model's hosts: a 0.20.2, b 0.20.1"),
+    (_facts(torch=""), "different torch versions on the model's hosts: a 2.9.0+cu129, b none"),
+    (_facts(model_present=False),
+     "the model's weights are missing on b: no config.json in /opt/llmhost/weights/big/main"),
+    (_facts(gpus=4), "b has 4 GPU(s); the layout needs 8 on each host (16 ranks over 2 hosts)"),
+    (_facts(interfaces={"ens1": ["10.0.0.2"], "ib0": ["10.1.0.2"]}),
+     "b has several interfaces (ens1, ib0): name the one the model's hosts share"),
+    (_facts(interface="ib0"), "b has no interface ib0 with an address (it has: ens1)"),
+    (_facts(layout={"tensor_parallel_size": 8, "pipeline_parallel_size": 1, "nnodes": 2}),
+     "different layouts in the hosts' model.json"),
+])
+def test_each_disagreement_is_named_with_its_host(b: dict[str, object], message: str):
+    found = problems({"a": _facts(), "b": b})
+    assert any(message in line for line in found), found
+
+
+def test_a_layout_that_does_not_fit_the_hosts_is_named():
+    odd = _facts(layout={"tensor_parallel_size": 3, "pipeline_parallel_size": 1, "nnodes": 2})
+    assert any("= 3 does not divide over 2 hosts" in p for p in problems({"a": odd, "b": odd}))
+    three = _facts(layout={"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "nnodes": 3})
+    assert any("nnodes is 3 but the model has 2 hosts (a, b)" in p for p in problems({"a": three, "b": three}))
+
+
+def test_cpu_hosts_are_not_counted_for_gpus():
+    cpu = _facts(gpus=0, layout={"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "nnodes": 2})
+    assert problems({"a": cpu, "b": cpu}, profile="cpu") == []
+    assert problems({"a": cpu, "b": cpu}, profile="gpu")
+
+
+def test_nodecheck_gathers_this_host_and_compares_hosts(tmp_path: Path, tiny_model: Path):
+    model_json = tmp_path / "model.json"
+    model_json.write_text(json.dumps({"model": str(tiny_model), "pipeline_parallel_size": 2, "nnodes": 2}))
+    llmhost = str(Path(sys.executable).parent / "llmhost")
+    done = subprocess.run([llmhost, "nodecheck", "gather", "--model-json", str(model_json)],
+                          capture_output=True, text=True, timeout=120, check=True)
+    facts = json.loads(done.stdout)
+    assert facts["model_present"] is True and facts["vllm"] and facts["torch"]
+    assert facts["layout"] == {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "nnodes": 2}
+    mine = tmp_path / "a.json"
+    mine.write_text(done.stdout)
+    other = tmp_path / "b.json"
+    other.write_text(json.dumps({**facts, "vllm": "0.0.1", "interface": ""}))
+    same = subprocess.run([llmhost, "nodecheck", "compare", "--profile", "cpu", f"a={mine}", f"b={mine}"],
+                          capture_output=True, text=True, timeout=120)
+    assert same.returncode == 0, same.stderr
+    differ = subprocess.run([llmhost, "nodecheck", "compare", "--profile", "cpu", f"a={mine}", f"b={other}"],
+                            capture_output=True, text=True, timeout=120)
+    assert differ.returncode == 1
+    assert f"different vLLM versions on the model's hosts: a {facts['vllm']}, b 0.0.1" in differ.stderr
+    missing = subprocess.run([llmhost, "nodecheck", "compare", f"a={tmp_path / 'none.json'}"],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "a's facts in" in missing.stderr and "Traceback" not in missing.stderr
