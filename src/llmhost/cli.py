@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--head-grace", type=float, default=2.0, metavar="SECONDS",
                    help="exit (for the unit to start it again) once the head's engine has had no connection to "
                         "the workers this long (default 2)")
+    f.add_argument("--textfile", metavar="PATH",
+                   help="write whether the workers are joined to the head as node_exporter textfile metrics "
+                        "to PATH (*.prom)")
     k = sub.add_parser("smoke", help="check that an endpoint serves; exit 1 naming what failed")
     k.add_argument("--url", default="http://127.0.0.1:8000", help="Triton HTTP URL")
     k.add_argument("--metrics-url", help="Triton metrics URL, e.g. http://127.0.0.1:8002")
@@ -363,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "follow":
         from llmhost.follower import follow
 
-        return follow(args.model_json, args.node_rank, args.host_ip, args.head_grace)
+        return follow(args.model_json, args.node_rank, args.host_ip, args.head_grace, args.textfile)
     if args.command == "smoke":
         from llmhost.smoke import Smoke, render
 

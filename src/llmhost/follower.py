@@ -35,6 +35,34 @@ from llmhost.backend.watchdog import connected_endpoints, normalize_ip
 # EX_TEMPFAIL: the head went away; starting again is the way back.
 EXIT_HEAD_GONE = 75
 WATCH_INTERVAL_S = 1.0
+# The textfile's timestamp is refreshed at least this often while the follower runs.
+TEXTFILE_REFRESH_S = 15.0
+
+
+class FollowerTextfile:
+    """The follower's state as node_exporter textfile-collector metrics (atomic
+    writes): whether its workers are joined to the head's engine, and when it last
+    looked, so that a follower that is not running shows as stale."""
+
+    def __init__(self, path: str, model: str) -> None:
+        self.path = path
+        self.model = model
+        self._written_at = 0.0
+        self._joined: bool | None = None
+
+    def update(self, joined: bool, force: bool = False) -> None:
+        now = time.time()
+        if not force and joined == self._joined and now - self._written_at < TEXTFILE_REFRESH_S:
+            return
+        from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+
+        reg = CollectorRegistry()
+        Gauge("llmhost_follower_joined", "1 while this follower's workers are joined to the head's engine.",
+              ["model"], registry=reg).labels(self.model).set(1 if joined else 0)
+        Gauge("llmhost_follower_last_check_timestamp_seconds", "When the follower last checked its head.",
+              ["model"], registry=reg).labels(self.model).set(now)
+        write_to_textfile(self.path, reg)
+        self._joined, self._written_at = joined, now
 
 
 class HeadWatch:
@@ -100,19 +128,25 @@ def _stop_descendants(timeout_s: float = 10.0) -> None:
             pass
 
 
-def _watch_head(watch: HeadWatch, log: Callable[[str], None]) -> None:
+def _watch_head(watch: HeadWatch, log: Callable[[str], None], textfile: FollowerTextfile | None,
+                stopping: threading.Event) -> None:
     pid = os.getpid()
-    while True:
-        time.sleep(WATCH_INTERVAL_S)
-        cause = watch.check(connected_endpoints(pid))
+    while not stopping.wait(WATCH_INTERVAL_S):
+        endpoints = connected_endpoints(pid)
+        cause = watch.check(endpoints)
+        if textfile is not None:
+            textfile.update(watch.head in endpoints)
         if cause is not None:
             log(f"llmhost follow: {cause}; stopping the workers and exiting ({EXIT_HEAD_GONE}) to join its next "
                 "engine")
             _stop_descendants()
+            if textfile is not None:
+                textfile.update(False, force=True)
             os._exit(EXIT_HEAD_GONE)
 
 
-def follow(model_json: Path, node_rank: int, host_ip: str | None, grace_s: float) -> int:
+def follow(model_json: Path, node_rank: int, host_ip: str | None, grace_s: float,
+           textfile_path: str | None = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
@@ -134,7 +168,12 @@ def follow(model_json: Path, node_rank: int, host_ip: str | None, grace_s: float
     vllm_config = build_engine_args(raw).create_engine_config(
         usage_context=UsageContext.OPENAI_API_SERVER, headless=True)
 
+    # Set once the follower is asked to stop: its workers' connections then end by
+    # design, not because the head went away.
+    stopping = threading.Event()
+
     def on_signal(signum: int, _frame: Any) -> None:
+        stopping.set()
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -142,18 +181,27 @@ def follow(model_json: Path, node_rank: int, host_ip: str | None, grace_s: float
     log(f"llmhost follow: node {node_rank} of {raw['nnodes']}, joining the head at {head[0]}:{head[1]}"
         + (f" from {host_ip}" if host_ip else ""))
     watch = HeadWatch(head, grace_s)
-    threading.Thread(target=_watch_head, args=(watch, log), name="llmhost-head-watch", daemon=True).start()
+    textfile = None
+    if textfile_path:
+        textfile = FollowerTextfile(textfile_path, str(raw.get("served_model_name") or Path(str(raw["model"])).name))
+        textfile.update(False, force=True)
+    threading.Thread(target=_watch_head, args=(watch, log, textfile, stopping), name="llmhost-head-watch",
+                     daemon=True).start()
     try:
         # Waits for the head's engine (torch.distributed's store at master_addr:master_port).
         executor = MultiprocExecutor(vllm_config, monitor_workers=False)
     except BaseException:
         _stop_descendants()
+        if textfile is not None:
+            textfile.update(False, force=True)
         raise
     try:
         # Returns when one of this host's workers dies.
         executor.start_worker_monitor(inline=True)
     finally:
         executor.shutdown()
+        if textfile is not None:
+            textfile.update(False, force=True)
     # A head that went away often ends the workers (their collectives fail) before
     # the watch's grace is over: its verdict decides how the follower exits.
     deadline = time.monotonic() + grace_s + 3 * WATCH_INTERVAL_S

@@ -67,7 +67,8 @@ class TwoNodes:
 
 def _engine_args(model: Path, master_port: int) -> dict[str, object]:
     # The head's layout; the follower reads the same from its model.json.
-    return {"model": str(model), "dtype": "bfloat16", "max_model_len": 512, "enforce_eager": False,
+    return {"model": str(model), "served_model_name": "tiny", "dtype": "bfloat16", "max_model_len": 512,
+            "enforce_eager": False,
             "pipeline_parallel_size": 2, "nnodes": 2, "master_addr": HEAD_IP, "master_port": master_port}
 
 
@@ -77,7 +78,7 @@ def _start_follower(model_json: Path, workdir: Path, n: int) -> Follower:
                # One core each: the head's worker on 0, the follower's on 1.
                VLLM_CPU_OMP_THREADS_BIND="1", TMPDIR=str(workdir), **ENGINE_ENV)
     cmd = [str(Path(sys.executable).parent / "llmhost"), "follow", "--model-json", str(model_json),
-           "--node-rank", "1", "--host-ip", FOLLOWER_IP]
+           "--node-rank", "1", "--host-ip", FOLLOWER_IP, "--textfile", str(workdir / "follower.prom")]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
                                 start_new_session=True)
@@ -89,6 +90,17 @@ def _generate(head: Server) -> str:
                       json={"text_input": "hello", "max_tokens": 8}, timeout=60)
     assert r.status_code == 200, r.text
     return str(r.json()["text_output"])
+
+
+def _joined(workdir: Path) -> float | None:
+    """llmhost_follower_joined in the follower's textfile, None before it is written."""
+    path = workdir / "follower.prom"
+    if not path.exists():
+        return None
+    for line in path.read_text().splitlines():
+        if line.startswith('llmhost_follower_joined{model="tiny"} '):
+            return float(line.split()[-1])
+    raise AssertionError(f"no llmhost_follower_joined in {path}:\n{path.read_text()}")
 
 
 def _served_again(head: Server, starts: int) -> bool:
@@ -153,6 +165,8 @@ def test_model_serves_with_its_second_stage_on_the_follower(nodes: TwoNodes):
     head_workers = _workers(psutil.Process(nodes.head.proc.pid))
     assert "VLLM::Worker_PP0" in head_workers and "VLLM::Worker_PP1" not in head_workers, head_workers
     assert f"the engine is up with its followers {FOLLOWER_IP}" in nodes.head.log.read_text(errors="replace")
+    # The follower's textfile metrics say it is joined (the watch writes within a second or two).
+    assert wait_until(lambda: _joined(nodes.workdir) == 1.0, 10), (nodes.workdir / "follower.prom").read_text()
 
 
 def test_stopped_follower_makes_the_model_not_ready_then_ready_again(nodes: TwoNodes):
@@ -163,6 +177,7 @@ def test_stopped_follower_makes_the_model_not_ready_then_ready_again(nodes: TwoN
     assert wait_until(lambda: not head.model_ready(timeout_s=2), NOT_READY_BOUND_S, every_s=0.5), head.log_tail()
     not_ready_s = time.monotonic() - t0
     assert follower.proc.wait(timeout=60) == 0, follower.tail()
+    assert _joined(nodes.workdir) == 0.0  # a stopped follower says so before it exits
     assert not wait_gone(f_kids), "the stopped follower left workers behind"
     log = head.log.read_text(errors="replace")
     assert f"vLLM's engine lost a follower: its follower {FOLLOWER_IP} has had no connection" in log

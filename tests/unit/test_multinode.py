@@ -217,3 +217,22 @@ def test_nodecheck_gathers_this_host_and_compares_hosts(tmp_path: Path, tiny_mod
     missing = subprocess.run([llmhost, "nodecheck", "compare", f"a={tmp_path / 'none.json'}"],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "a's facts in" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_follower_textfile_says_joined_and_when_it_last_looked(tmp_path: Path):
+    from llmhost.follower import FollowerTextfile
+
+    path = tmp_path / "follower.prom"
+    textfile = FollowerTextfile(str(path), "big")
+    before = time.time()
+    textfile.update(False, force=True)
+    assert 'llmhost_follower_joined{model="big"} 0.0' in path.read_text()
+    textfile.update(True)  # a change is written at once
+    text = path.read_text()
+    assert 'llmhost_follower_joined{model="big"} 1.0' in text
+    stamp = float(next(line for line in text.splitlines()
+                       if line.startswith("llmhost_follower_last_check_timestamp_seconds")).split()[-1])
+    assert before <= stamp <= time.time()
+    path.unlink()
+    textfile.update(True)  # no change within the refresh interval: not written again
+    assert not path.exists()
