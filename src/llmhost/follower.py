@@ -49,11 +49,25 @@ class FollowerTextfile:
         self.model = model
         self._written_at = 0.0
         self._joined: bool | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """Write 'not joined' one last time; later updates (the watch thread's) are ignored."""
+        with self._lock:
+            if not self._closed:
+                self._write(False)
+                self._closed = True
 
     def update(self, joined: bool, force: bool = False) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if force or joined != self._joined or time.time() - self._written_at >= TEXTFILE_REFRESH_S:
+                self._write(joined)
+
+    def _write(self, joined: bool) -> None:
         now = time.time()
-        if not force and joined == self._joined and now - self._written_at < TEXTFILE_REFRESH_S:
-            return
         from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 
         reg = CollectorRegistry()
@@ -141,7 +155,7 @@ def _watch_head(watch: HeadWatch, log: Callable[[str], None], textfile: Follower
                 "engine")
             _stop_descendants()
             if textfile is not None:
-                textfile.update(False, force=True)
+                textfile.close()
             os._exit(EXIT_HEAD_GONE)
 
 
@@ -193,7 +207,7 @@ def follow(model_json: Path, node_rank: int, host_ip: str | None, grace_s: float
     except BaseException:
         _stop_descendants()
         if textfile is not None:
-            textfile.update(False, force=True)
+            textfile.close()
         raise
     try:
         # Returns when one of this host's workers dies.
@@ -201,7 +215,7 @@ def follow(model_json: Path, node_rank: int, host_ip: str | None, grace_s: float
     finally:
         executor.shutdown()
         if textfile is not None:
-            textfile.update(False, force=True)
+            textfile.close()
     # A head that went away often ends the workers (their collectives fail) before
     # the watch's grace is over: its verdict decides how the follower exits.
     deadline = time.monotonic() + grace_s + 3 * WATCH_INTERVAL_S

@@ -236,3 +236,15 @@ def test_follower_textfile_says_joined_and_when_it_last_looked(tmp_path: Path):
     path.unlink()
     textfile.update(True)  # no change within the refresh interval: not written again
     assert not path.exists()
+
+
+def test_a_closed_follower_textfile_stays_not_joined(tmp_path: Path):
+    from llmhost.follower import FollowerTextfile
+
+    path = tmp_path / "follower.prom"
+    textfile = FollowerTextfile(str(path), "big")
+    textfile.update(True, force=True)
+    textfile.close()
+    assert 'llmhost_follower_joined{model="big"} 0.0' in path.read_text()
+    textfile.update(True, force=True)  # the watch thread, a moment late
+    assert 'llmhost_follower_joined{model="big"} 0.0' in path.read_text()
