@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,18 +52,59 @@ class Follower:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
+class FollowerUnit:
+    """`llmhost follow` supervised as its unit does it (Restart=always, RestartSec=1):
+    started again whenever it exits, until stop(), which sends what `systemctl stop`
+    sends. Every exit status is kept."""
+
+    def __init__(self, model_json: Path, workdir: Path) -> None:
+        self.model_json, self.workdir = model_json, workdir
+        self.exits: list[int] = []
+        self.starts = 0
+        self.current: Follower | None = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stopped.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                self.starts += 1
+                self.current = _start_follower(self.model_json, self.workdir, self.starts)
+            code = self.current.proc.wait()
+            self.exits.append(code)
+            self._stopped.wait(1)
+
+    def stop(self) -> tuple[int | None, list[psutil.Process]]:
+        """SIGTERM to the running follower, no restart; its exit status and workers."""
+        with self._lock:
+            self._stopped.set()
+            follower = self.current
+        if follower is None or follower.proc.poll() is not None:
+            return (None if follower is None else follower.proc.returncode), []
+        kids = psutil.Process(follower.proc.pid).children(recursive=True)
+        follower.proc.send_signal(signal.SIGTERM)
+        code = follower.proc.wait(timeout=60)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        return code, kids
+
+    def tail(self) -> str:
+        return self.current.tail() if self.current is not None else ""
+
+
 @dataclass
 class TwoNodes:
     head: Server
-    model_json: Path
     workdir: Path
-    follower: Follower
-    starts: int = 1
-
-    def start_follower(self) -> Follower:
-        self.starts += 1
-        self.follower = _start_follower(self.model_json, self.workdir, self.starts)
-        return self.follower
+    follower: FollowerUnit
 
 
 def _engine_args(model: Path, master_port: int) -> dict[str, object]:
@@ -125,7 +167,8 @@ def nodes(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
     model_json = workdir / "model.json"
     model_json.write_text(json.dumps(engine))
     # The follower first: it waits for the head's store, as the unit order has it.
-    follower = _start_follower(model_json, workdir, 1)
+    unit = FollowerUnit(model_json, workdir)
+    unit.start()
     monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     extra = ["--engine-arg", "enforce_eager=false"]
     for key in ("pipeline_parallel_size", "nnodes", "master_addr", "master_port"):
@@ -135,18 +178,13 @@ def nodes(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
     try:
         head = start_server(tiny_model, workdir / "head", extra=extra)
     except BaseException:
-        follower.proc.kill()
-        print(follower.tail())
+        unit.stop()
+        print(unit.tail())
         raise
-    two = TwoNodes(head, model_json, workdir, follower)
-    yield two
+    yield TwoNodes(head, workdir, unit)
     kids = head.descendants()
     head.stop()
-    f = two.follower
-    f_kids = psutil.Process(f.proc.pid).children(recursive=True) if f.proc.poll() is None else []
-    if f.proc.poll() is None:
-        f.proc.send_signal(signal.SIGTERM)
-        f.proc.wait(timeout=60)
+    _, f_kids = unit.stop()
     left = wait_gone(kids + f_kids)
     assert not left, f"processes left after SIGTERM: {[(p.pid, p.name()) for p in left]}"
 
@@ -161,7 +199,9 @@ def test_model_serves_with_its_second_stage_on_the_follower(nodes: TwoNodes):
     assert nodes.head.model_ready()
     assert _generate(nodes.head).startswith("hello")
     # The second pipeline stage runs in the follower's process tree, the first in the head's.
-    assert "VLLM::Worker_PP1" in _workers(psutil.Process(nodes.follower.proc.pid)), nodes.follower.tail()
+    follower = nodes.follower.current
+    assert follower is not None
+    assert "VLLM::Worker_PP1" in _workers(psutil.Process(follower.proc.pid)), nodes.follower.tail()
     head_workers = _workers(psutil.Process(nodes.head.proc.pid))
     assert "VLLM::Worker_PP0" in head_workers and "VLLM::Worker_PP1" not in head_workers, head_workers
     assert f"the engine is up with its followers {FOLLOWER_IP}" in nodes.head.log.read_text(errors="replace")
@@ -170,35 +210,38 @@ def test_model_serves_with_its_second_stage_on_the_follower(nodes: TwoNodes):
 
 
 def test_stopped_follower_makes_the_model_not_ready_then_ready_again(nodes: TwoNodes):
-    head, follower = nodes.head, nodes.follower
-    f_kids = psutil.Process(follower.proc.pid).children(recursive=True)
+    head, unit = nodes.head, nodes.follower
+    assert _served_again(head, 1)
     t0 = time.monotonic()
-    follower.proc.send_signal(signal.SIGTERM)  # what `systemctl stop` sends
+    code, f_kids = unit.stop()  # what `systemctl stop` does
+    assert code == 0, unit.tail()
     assert wait_until(lambda: not head.model_ready(timeout_s=2), NOT_READY_BOUND_S, every_s=0.5), head.log_tail()
     not_ready_s = time.monotonic() - t0
-    assert follower.proc.wait(timeout=60) == 0, follower.tail()
-    assert _joined(nodes.workdir) == 0.0  # a stopped follower says so before it exits
     assert not wait_gone(f_kids), "the stopped follower left workers behind"
+    assert _joined(nodes.workdir) == 0.0  # a stopped follower says so before it exits
     log = head.log.read_text(errors="replace")
     assert f"vLLM's engine lost a follower: its follower {FOLLOWER_IP} has had no connection" in log
     print(f"model not ready {not_ready_s:.1f} s after the follower's SIGTERM")
 
+    served = head.log.read_text(errors="replace").count(SERVE_READY)
     t1 = time.monotonic()
-    nodes.start_follower()
-    assert wait_until(head.model_ready, READY_TIMEOUT_S, every_s=1), head.log_tail() + nodes.follower.tail()
+    unit.start()
+    assert wait_until(head.model_ready, READY_TIMEOUT_S, every_s=1), head.log_tail() + unit.tail()
     print(f"ready again {time.monotonic() - t1:.1f} s after the follower's start")
     assert _generate(head).startswith("hello")
-    assert _served_again(head, 2), head.log_tail()
+    assert _served_again(head, served + 1), head.log_tail()
 
 
 def test_follower_whose_head_went_away_exits_to_join_the_next_engine(nodes: TwoNodes):
-    head, follower = nodes.head, nodes.follower
+    head, unit = nodes.head, nodes.follower
+    served = head.log.read_text(errors="replace").count(SERVE_READY)
+    exits = len(unit.exits)
     triton = next(p for p in psutil.Process(head.proc.pid).children() if p.name() == "tritonserver")
     triton.kill()  # the head host's server dies; `llmhost serve` starts it again
-    code = follower.proc.wait(timeout=HEAD_GONE_BOUND_S)
-    assert code == EXIT_HEAD_GONE, follower.tail()
-    assert "has had no connection to this follower's workers" in follower.log.read_text(errors="replace")
-    nodes.start_follower()  # as the unit's Restart= does
-    assert wait_until(head.model_ready, READY_TIMEOUT_S, every_s=1), head.log_tail() + nodes.follower.tail()
+    assert wait_until(lambda: len(unit.exits) > exits, HEAD_GONE_BOUND_S), unit.tail()
+    assert unit.exits[exits] == EXIT_HEAD_GONE, unit.exits
+    # The unit started it again; it joins the head's next engine.
+    assert wait_until(lambda: head.log.read_text(errors="replace").count(SERVE_READY) > served, READY_TIMEOUT_S,
+                      every_s=1), head.log_tail() + unit.tail()
+    assert head.model_ready()
     assert _generate(head).startswith("hello")
-    assert _served_again(head, 3), head.log_tail()
