@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +162,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from llmhost.tiny.model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _no_pip_in_the_test_process() -> Any:
+    """pip imported in a worker turns off setuptools' own distutils for the rest of its life
+    (setuptools' _distutils_hack), and every later first import of vLLM then fails in
+    torch's import of setuptools. Tests that need pip run it in a process of its own."""
+    had_pip = "pip" in sys.modules
+    yield
+    if not had_pip and "pip" in sys.modules:
+        pytest.fail("this test imported pip into the test process; run pip in a subprocess "
+                    "or read its version with importlib.metadata")

@@ -5,6 +5,7 @@ matrix name, and a GPU lock's torch is a CUDA build."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import subprocess
@@ -260,8 +261,8 @@ def test_the_generators_check_finds_a_missing_hash_and_an_index_line():
 def test_pip_state_skips_pins_whose_marker_does_not_hold_here():
     """A lock may carry environment markers: a pin for another Python is not missing here."""
     script = (ROLE / "files" / "pip_state.py").read_text()
-    want = {"pins": ['no-such-dist==1.0 ; python_version < "3.0"', "no-such-dist==1.0",
-                     f"pip=={__import__('pip').__version__} ; python_version >= \"3.0\""], "names": [], "absent": []}
+    pip = f"pip=={importlib.metadata.version('pip')} ; python_version >= \"3.0\""
+    want = {"pins": ['no-such-dist==1.0 ; python_version < "3.0"', "no-such-dist==1.0", pip], "names": [], "absent": []}
     out = subprocess.run([sys.executable, "-c", script, json.dumps(want)], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["missing"] == ["no-such-dist==1.0"]
 
