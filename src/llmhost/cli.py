@@ -324,7 +324,7 @@ def _default_grpc(url: str) -> str:
 DELEGATED = {
     "gpu-info": ("llmhost.cuda", "main_gpu_info", "detect NVIDIA GPUs and pick the CUDA build of vLLM/PyTorch"),
     "placement": ("llmhost.server.placement", "main_placement", "check models' GPU placement (JSON in, JSON out)"),
-    "nodecheck": ("llmhost.nodecheck", "main", "check that the hosts of a model spread over several hosts agree"),
+    "nodecheck": ("llmhost.multinode.nodecheck", "main", "check that the hosts of a model across hosts agree"),
 }
 
 
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llmhost serve: {exc}", file=sys.stderr)
             return 2
     if args.command == "follow":
-        from llmhost.follower import follow
+        from llmhost.multinode.follower import follow
 
         return follow(args.model_json, args.node_rank, args.host_ip, args.head_grace, args.textfile)
     if args.command == "smoke":

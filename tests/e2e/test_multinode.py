@@ -30,7 +30,7 @@ import psutil
 import pytest
 import requests
 
-from llmhost.follower import EXIT_HEAD_GONE
+from llmhost.multinode.follower import EXIT_HEAD_GONE
 from tests.harness.net import ENGINE_ENV, free_port
 from tests.harness.repository import wait_until
 from tests.harness.server import READY_TIMEOUT_S, SERVE_READY, Server, start_server, wait_gone

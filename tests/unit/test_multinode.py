@@ -16,8 +16,8 @@ import pytest
 
 from llmhost.backend.config import ConfigError, parse_model_config
 from llmhost.backend.watchdog import FollowerWatch, connected_endpoints, connected_peers, resolve_followers
-from llmhost.follower import HeadWatch, follower_engine_args
-from llmhost.nodecheck import problems
+from llmhost.multinode.follower import HeadWatch, follower_engine_args
+from llmhost.multinode.nodecheck import problems
 
 
 class Clock:
@@ -220,7 +220,7 @@ def test_nodecheck_gathers_this_host_and_compares_hosts(tmp_path: Path, tiny_mod
 
 
 def test_follower_textfile_says_joined_and_when_it_last_looked(tmp_path: Path):
-    from llmhost.follower import FollowerTextfile
+    from llmhost.multinode.follower import FollowerTextfile
 
     path = tmp_path / "follower.prom"
     textfile = FollowerTextfile(str(path), "big")
@@ -239,7 +239,7 @@ def test_follower_textfile_says_joined_and_when_it_last_looked(tmp_path: Path):
 
 
 def test_a_closed_follower_textfile_stays_not_joined(tmp_path: Path):
-    from llmhost.follower import FollowerTextfile
+    from llmhost.multinode.follower import FollowerTextfile
 
     path = tmp_path / "follower.prom"
     textfile = FollowerTextfile(str(path), "big")
