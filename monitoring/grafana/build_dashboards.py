@@ -13,8 +13,9 @@ in tests/system).
 
 Metric names are the ones llmhost's Triton backend exports (vllm:*, label
 `model`), Triton's own (nv_*), node_exporter's (node_*), the smoke probe's
-(llmhost_smoke_*) and NVIDIA DCGM's exporter (DCGM_FI_*, roles/dcgm_exporter). Every target carries
-`instance` = the inventory host name (roles/prometheus sets it).
+(llmhost_smoke_*), a model's followers on other hosts (llmhost_follower_*, `llmhost
+follow --textfile`) and NVIDIA DCGM's exporter (DCGM_FI_*, roles/dcgm_exporter). Every
+target carries `instance` = the inventory host name (roles/prometheus sets it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 from grafana_foundation_sdk.builders import common as cb
 from grafana_foundation_sdk.builders import dashboard as db
-from grafana_foundation_sdk.builders import gauge, heatmap, piechart, prometheus, stat, timeseries
+from grafana_foundation_sdk.builders import gauge, heatmap, piechart, prometheus, stat, statetimeline, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models import common
@@ -425,6 +426,36 @@ def serving() -> db.Dashboard:
                       f"{{{SERVING}}}{RATE})))", f"p{round(q * 100)}") for q in (0.5, 0.99)]),
            [(None, "green"), (0.005, "orange"), (0.05, "red")], w=8),
     ]
+    # A model spread over several hosts (llmhost.multinode, docs/gpu.md): the head serves it in
+    # Triton, each follower host's `llmhost follow --textfile` reports through node_exporter.
+    head = ("The head host serves the model in Triton (the panels above, under its host name); each follower "
+            "host runs llmhost follow, whose workers join the head's engine, and has a row here per model.")
+    across_hosts = [
+        statetimeline.Panel()
+        .title("Followers joined")
+        .description("Per model and follower host (instance): joined (1) while the follower's workers are joined "
+                     "to the head's engine, not joined (0) otherwise; the model is served only while all its "
+                     "followers are joined (Alert: LLMHostFollowerNotJoined after 10 minutes). " + head
+                     + " Empty where no model spans hosts.")
+        .datasource(DS)
+        .targets(targets((f"min by (model, instance) (llmhost_follower_joined{{{SERVING}}})",
+                          "{{model}} on {{instance}}")))
+        .unit("none")
+        .thresholds(thresholds([(None, "red"), (1, "green")]))
+        .mappings([ValueMap({"1": ValueMappingResult(text="joined", color="green"),
+                             "0": ValueMappingResult(text="not joined", color="red")})])
+        .show_value(common.VisibilityMode.AUTO)
+        .merge_values(True)
+        .span(12)
+        .height(8),
+        ts("Since each follower's last check", "Seconds since each follower (per model and follower host) last "
+           "checked its head: llmhost follow rewrites its state at least every 15 s while it runs, so a growing "
+           "age means it is not running (Alert: LLMHostFollowerStale above 120 s). " + head
+           + " A follower host that is down has no data (Alert: LLMHostTargetDown).", "s",
+           targets((f"max by (model, instance) (time() - llmhost_follower_last_check_timestamp_seconds"
+                    f"{{{SERVING}}})", "{{model}} on {{instance}}")),
+           [(None, "green"), (60, "orange"), (120, "red")]),
+    ]
     d = new_dashboard(
         "llmhost / LLM serving", "llmhost-serving",
         "Requests, latency, throughput and scheduler state of the models served by llmhost "
@@ -433,7 +464,8 @@ def serving() -> db.Dashboard:
     )
     return add(d, [("Overview", overview), ("Requests", traffic), ("Latency", latency),
                    ("Throughput and load", load), ("Request lengths", lengths), ("Gateway", gateway),
-                   ("Replicas and routing", routing), ("Streaming path", streaming)])
+                   ("Replicas and routing", routing), ("Streaming path", streaming),
+                   ("Models across hosts", across_hosts)])
 
 
 # --- (b) Triton ---------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from tests.harness.prom import FIXTURES, Prometheus, Recording, tsdb_from
 
 CPU_HOST = "cpu-host"
 GPU_HOST = "gpu-host"
+# A follower host of a model across hosts: node_exporter with `llmhost follow --textfile`'s file, no Triton.
+FOLLOWER_HOST = "follower-host"
 RECORDINGS = [
     Recording(FIXTURES / "triton-cpu-metrics.txt", "triton", CPU_HOST),
     Recording(FIXTURES / "node-exporter-metrics.txt", "node", CPU_HOST),
@@ -20,6 +22,8 @@ RECORDINGS = [
     Recording(FIXTURES / "dcgm-exporter-metrics.txt", "dcgm", GPU_HOST),
     # Constructed (the gateway's metrics endpoint was being written): see the file's header.
     Recording(FIXTURES / "gateway-metrics.txt", "gateway", CPU_HOST),
+    # Recorded: scraped by node_exporter's textfile collector, so job node (see the file's header).
+    Recording(FIXTURES / "follower-textfile.prom", "node", FOLLOWER_HOST),
 ]
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from llmhost.bench.promql import (
     GRAFANA_BUILTINS,
@@ -23,8 +24,8 @@ from llmhost.bench.promql import (
     substitute,
     variables_in,
 )
-from tests.harness.prom import DASHBOARDS_DIR, FIXTURES, MONITORING, exposition_names, metric_names
-from tests.monitoring.conftest import CPU_HOST, GPU_HOST, Replay
+from tests.harness.prom import DASHBOARDS_DIR, FIXTURES, MONITORING, RULES_DIR, exposition_names, metric_names
+from tests.monitoring.conftest import CPU_HOST, FOLLOWER_HOST, GPU_HOST, Replay
 
 # Every panel is fed by a fixture (dcgm-exporter's is constructed, see its header).
 NOT_RECORDED: set[str] = set()
@@ -182,7 +183,61 @@ def _label_values(replay: Replay, definition: str, values: dict[str, str]) -> se
 def test_variable_queries_list_hosts_and_models(replay: Replay):
     for name, d in dashboards(DASHBOARDS_DIR).items():
         variables = {v["name"]: v for v in d["templating"]["list"]}
-        assert _label_values(replay, variables["instance"]["query"], ALL) == {CPU_HOST, GPU_HOST}, name
+        assert _label_values(replay, variables["instance"]["query"], ALL) == {CPU_HOST, GPU_HOST, FOLLOWER_HOST}, name
         if "model" in variables:
             models = _label_values(replay, variables["model"]["query"], {"instance": CPU_HOST})
             assert models == {"tiny"}, name
+
+
+def _row(d: dict, title: str) -> list[dict]:
+    """The panels under the (expanded) row TITLE."""
+    out: list[dict] | None = None
+    for p in d["panels"]:
+        if p["type"] == "row":
+            if out is not None:
+                break
+            if p["title"] == title:
+                out = list(p.get("panels", []))
+        elif out is not None:
+            out.append(p)
+    assert out, f"no row {title!r} with panels"
+    return out
+
+
+def test_serving_dashboard_shows_models_across_hosts(replay: Replay):
+    """The "Models across hosts" row: per model and follower host, joined and the age of its last check,
+    over the metrics `llmhost follow --textfile` writes and the llmhost-multinode alerts use."""
+    row = {p["title"]: p for p in _row(dashboards(DASHBOARDS_DIR)["llmhost-serving.json"], "Models across hosts")}
+    assert set(row) == {"Followers joined", "Since each follower's last check"}
+    # These panels, and only these, are empty on a host that follows no model (PanelQuery.follower).
+    assert {q.title for q in QUERIES if q.follower} == set(row)
+    for p in row.values():
+        assert "head host serves the model in Triton" in p["description"], p["title"]
+    joined = row["Followers joined"]
+    assert joined["type"] == "state-timeline"
+    assert {m["options"]["1"]["text"] for m in joined["fieldConfig"]["defaults"]["mappings"]} == {"joined"}
+    assert row["Since each follower's last check"]["fieldConfig"]["defaults"]["unit"] == "s"
+
+    follower = exposition_names((FIXTURES / "follower-textfile.prom").read_text())
+    multinode = next(g for g in yaml.safe_load((RULES_DIR / "llmhost.yml").read_text())["groups"]
+                     if g["name"] == "llmhost-multinode")
+    alerted = set().union(*(metric_names(r["expr"]) for r in multinode["rules"]))
+    exprs = {title: p["targets"][0]["expr"] for title, p in row.items()}
+    assert set().union(*map(metric_names, exprs.values())) == follower == alerted
+
+    at_follower = {"instance": FOLLOWER_HOST, "model": ".*"}
+    status, body = query(replay.url, substitute(exprs["Followers joined"], at_follower), at=replay.at)
+    assert status == 200, body
+    assert [(s["metric"], s["value"][1]) for s in body["data"]["result"]] == [
+        ({"instance": FOLLOWER_HOST, "model": "big"}, "1")]
+    status, body = query(replay.url, substitute(exprs["Since each follower's last check"], at_follower),
+                         at=replay.at)
+    assert status == 200, body
+    [series] = body["data"]["result"]
+    checked = float(re.search(r"^llmhost_follower_last_check_timestamp_seconds\{.*\} (\S+)$",
+                              (FIXTURES / "follower-textfile.prom").read_text(), re.M).group(1))
+    assert series["metric"] == {"instance": FOLLOWER_HOST, "model": "big"}
+    assert float(series["value"][1]) == pytest.approx(replay.at - checked, abs=1)
+    for expr in exprs.values():  # the head and other hosts have no follower rows
+        status, body = query(replay.url, substitute(expr, {"instance": CPU_HOST, "model": ".*"}), at=replay.at)
+        assert status == 200 and not has_data(body), f"{expr}\n{body}"

@@ -23,6 +23,8 @@ GRAFANA_BUILTINS = {
 }
 # Metric name prefixes that only GPU hosts (Triton's GPU metrics, NVIDIA DCGM) export.
 GPU_METRIC = re.compile(r"\b(nv_gpu_\w+|nv_energy_\w+|DCGM_\w+)")
+# Metrics that only the followers of a model across hosts export (llmhost follow).
+FOLLOWER_METRIC = re.compile(r"\bllmhost_follower_\w+")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,11 @@ class PanelQuery:
     @property
     def gpu(self) -> bool:
         return bool(GPU_METRIC.search(self.expr))
+
+    @property
+    def follower(self) -> bool:
+        """Whether only a follower host of a model across hosts has data for it."""
+        return bool(FOLLOWER_METRIC.search(self.expr))
 
     def __str__(self) -> str:
         return f"{self.dashboard} #{self.panel_id} {self.title!r} {self.ref_id}: {self.expr}"
