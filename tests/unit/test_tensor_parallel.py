@@ -65,6 +65,24 @@ def test_placement_puts_the_tp2_entry_on_two_gpus_and_refuses_one():
     assert err.value.problems == ["model llm: tensor_parallel_size 2 needs 2 GPUs, the host has 1"]
 
 
+def test_a_model_across_hosts_holds_its_share_of_the_ranks_on_each_host():
+    """Tensor parallel 2 across two hosts of one GPU each: one GPU a host. 8 x 2 across two
+    hosts: 8 a host, refused on a host of 4."""
+    across = {"name": "big", "nodes": ["gpu-1", "gpu-2"], "engine_args": {"tensor_parallel_size": 2}}
+    (p,) = plan([across], gpu_count=1)
+    assert (p.kind, p.gpus, p.tensor_parallel_size) == (KIND_MODEL, (0,), 2)
+    big = {"name": "big", "nodes": ["gpu-1", "gpu-2"],
+           "engine_args": {"tensor_parallel_size": 8, "pipeline_parallel_size": 2}}
+    assert plan([big], gpu_count=8)[0].gpus == tuple(range(8))
+    with pytest.raises(PlacementError) as err:
+        plan([big], gpu_count=4)
+    assert err.value.problems == ["model big: tensor_parallel_size 8 needs 8 GPUs on each of its 2 hosts, "
+                                  "the host has 4"]
+    # On one host the same layout needs tensor_parallel_size GPUs, as before.
+    with pytest.raises(PlacementError):
+        plan([{**across, "nodes": None}], gpu_count=1)
+
+
 def test_the_example_inventorys_tp2_model_passes_through_the_roles_unrefused():
     """The roles' preflights (llmhost, model_repository) check names, sources, sizes and
     engine_args being a dict, not tensor_parallel_size: the example's TP=2 model is

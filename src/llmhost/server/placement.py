@@ -17,6 +17,9 @@ the model and the GPU:
   its GPUs; Triton must not pin the instance to one), or with a ``gpus`` list that
   is not exactly tensor_parallel_size long;
 * on profile cpu, a GPU kind or ``gpus``;
+* for a model across hosts (``nodes``: two or more), each host holds its share of the
+  ranks, tensor_parallel_size x pipeline_parallel_size / len(nodes), in place of
+  tensor_parallel_size in the checks above;
 * memory shares adding up to more than 1.0 on a GPU: every instance places one
   engine taking ``gpu_memory_utilization`` of each GPU it uses (KIND_GPU: Triton
   makes ``instance_count`` instances on every listed GPU; KIND_MODEL: each of the
@@ -153,6 +156,12 @@ def _place(model: Mapping[str, Any], name: str, gpu_count: int | None, profile: 
     if not _is_int(tp) or tp < 1:
         problems.append(f"model {name}: tensor_parallel_size must be an integer >= 1, got {tp!r}")
         tp = 1
+    # A model across hosts (its ``nodes``): each host runs its share of the
+    # tensor_parallel_size x pipeline_parallel_size ranks, and holds that many GPUs.
+    local, across = tp, ""
+    nodes, pp = model.get("nodes") or (), engine_args.get("pipeline_parallel_size", 1)
+    if isinstance(nodes, list | tuple) and len(nodes) > 1 and _is_int(pp) and pp >= 1:
+        local, across = max(1, tp * pp // len(nodes)), f" on each of its {len(nodes)} hosts"
     util = _setting(model, engine_args, "gpu_memory_utilization", problems, name)
     if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
         problems.append(f"model {name}: gpu_memory_utilization must be a number in (0, 1], got {util!r}")
@@ -187,25 +196,26 @@ def _place(model: Mapping[str, Any], name: str, gpu_count: int | None, profile: 
     if kind == KIND_CPU:
         problems.append(f"model {name}: kind KIND_CPU on a GPU host (llmhost_profile gpu installs vLLM for CUDA); "
                         "use KIND_GPU or KIND_MODEL, or profile cpu")
-    if known and tp > gpu_count:
-        problems.append(f"model {name}: tensor_parallel_size {tp} needs {tp} GPUs, the host has {gpu_count}")
+    if known and local > gpu_count:
+        problems.append(f"model {name}: tensor_parallel_size {tp} needs {local} GPUs{across}, the host has "
+                        f"{gpu_count}")
     missing = [g for g in gpus if known and g >= gpu_count]
     if missing:
         problems.append(f"model {name}: gpus {gpus} names GPU {', '.join(map(str, missing))}, but the host has "
                         f"{gpu_count} GPU{'s' if gpu_count != 1 else ''} (ids 0-{gpu_count - 1})")
     if kind is None:
         kind = KIND_MODEL
-    if tp > 1 and kind != KIND_MODEL:
+    if local > 1 and kind != KIND_MODEL:
         problems.append(f"model {name}: tensor_parallel_size {tp} needs kind KIND_MODEL (one vLLM engine spans "
-                        f"{tp} GPUs; Triton must not pin the instance to one GPU), got {kind}")
+                        f"{local} GPUs{across}; Triton must not pin the instance to one GPU), got {kind}")
     pinned = bool(gpus)
     if not pinned:
         # What the engine will use: its first tensor_parallel_size GPUs (KIND_MODEL), or an
         # instance on every GPU (KIND_GPU without gpus; unknown count: not counted).
-        gpus = list(range(tp)) if kind == KIND_MODEL else list(range(gpu_count or 0))
-    elif kind == KIND_MODEL and len(gpus) != tp:
-        problems.append(f"model {name}: tensor_parallel_size {tp} needs exactly {tp} GPU{'s' if tp != 1 else ''} "
-                        f"in gpus, got {gpus}")
+        gpus = list(range(local)) if kind == KIND_MODEL else list(range(gpu_count or 0))
+    elif kind == KIND_MODEL and len(gpus) != local:
+        problems.append(f"model {name}: tensor_parallel_size {tp} needs exactly {local} GPU{'s' if local != 1 else ''}"
+                        f"{across} in gpus, got {gpus}")
     if len(problems) > before:
         return None
     util = DEFAULT_GPU_MEMORY_UTILIZATION if util is None else float(util)
