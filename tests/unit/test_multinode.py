@@ -128,26 +128,90 @@ def test_follow_names_a_bad_model_json_and_exits_2(tmp_path: Path):
     assert "Traceback" not in done.stderr
 
 
-def test_connections_of_this_process_tree_are_seen_with_their_peers():
-    # Only descendants count: this process's own end of the connection is not one.
-    listener = socket.create_server(("127.0.0.1", 0))
+@pytest.mark.parametrize("family, listen, connect, seen", [
+    ("AF_INET", "127.0.0.1", "127.0.0.1", "127.0.0.1"),
+    ("AF_INET6", "::1", "::1", "::1"),
+    ("AF_INET6", "127.0.0.1", "::ffff:127.0.0.1", "127.0.0.1"),  # IPv4-mapped in /proc/net/tcp6
+])
+def test_connections_of_this_process_tree_are_seen_with_their_peers(family: str, listen: str, connect: str,
+                                                                     seen: str):
+    # Only descendants count: this process's own connections (its end of the child's,
+    # one to another listener) are not theirs.
+    try:
+        listener = socket.create_server((listen, 0), family=socket.AF_INET6 if ":" in listen else socket.AF_INET)
+    except OSError as exc:
+        pytest.skip(f"no {listen} here: {exc}")
+    other = socket.create_server(("127.0.0.1", 0))
+    mine = socket.create_connection(other.getsockname())
     port = listener.getsockname()[1]
-    code = f"import socket, time; s = socket.create_connection(('127.0.0.1', {port})); time.sleep(60)"
+    code = (f"import socket, time; s = socket.socket(socket.{family}); s.connect(({connect!r}, {port})); "
+            "time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
         conn, _ = listener.accept()
         deadline = time.monotonic() + 10
-        while ("127.0.0.1", port) not in connected_endpoints(os.getpid()) and time.monotonic() < deadline:
+        while (seen, port) not in connected_endpoints(os.getpid()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert ("127.0.0.1", port) in connected_endpoints(os.getpid())
-        assert "127.0.0.1" in connected_peers(os.getpid())
+        assert connected_endpoints(os.getpid()) == {(seen, port)}
+        assert connected_peers(os.getpid()) == {seen}
+        assert connected_endpoints(child.pid) == set()  # no descendants
         conn.close()
     finally:
         child.kill()
         child.wait()
         listener.close()
-    assert ("127.0.0.1", port) not in connected_endpoints(os.getpid())
+        mine.close()
+        other.close()
+    assert connected_endpoints(os.getpid()) == set()
 
+
+def test_connected_endpoints_of_a_process_that_is_gone_are_none():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert connected_endpoints(child.pid) == set()
+
+
+STOP_WORKERS = """
+import json, subprocess, sys
+from multiprocessing import shared_memory
+import psutil
+from llmhost.multinode.follower import _stop_workers
+from llmhost.server.reaping import is_resource_tracker
+
+shm = shared_memory.SharedMemory(create=True, size=4096)  # as vLLM's executor's queues: starts our tracker
+worker = psutil.Process(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]).pid)
+_stop_workers(grace_s=5)
+print(json.dumps({"shm": shm.name, "worker_running": worker.is_running(),
+                  "trackers": [p.pid for p in psutil.Process().children() if is_resource_tracker(p)]}))
+"""
+
+
+def test_the_follower_ends_its_workers_and_leaves_its_tracker_to_unlink_its_shared_memory():
+    done = subprocess.run([sys.executable, "-c", STOP_WORKERS], capture_output=True, text=True, timeout=60,
+                          check=True)
+    result = json.loads(done.stdout)
+    assert not result["worker_running"]
+    assert len(result["trackers"]) == 1  # still running when the workers were ended
+    # The follower exited: its tracker unlinks what it left and ends.
+    deadline = time.monotonic() + 10
+    while (Path("/dev/shm") / result["shm"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not (Path("/dev/shm") / result["shm"]).exists()
+
+
+def test_the_follower_ends_its_workers_with_the_servers_reaping(monkeypatch: pytest.MonkeyPatch):
+    from llmhost.multinode import follower
+
+    ended: list[tuple[list[int], float]] = []
+    monkeypatch.setattr(follower, "end_processes", lambda procs, grace_s: ended.append(([p.pid for p in procs],
+                                                                                           grace_s)))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        follower._stop_workers(grace_s=3)
+    finally:
+        child.kill()
+        child.wait()
+    assert len(ended) == 1 and child.pid in ended[0][0] and ended[0][1] == 3
 
 
 # -- nodecheck: what the hosts must agree on ------------------------------------------

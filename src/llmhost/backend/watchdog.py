@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -181,6 +183,24 @@ def follower_cause(follower: str, grace_s: float) -> str:
             "llmhost-follower unit stopped, or that host or the network between them is down")
 
 
+class Sighting:
+    """When a peer was last seen: it is gone once unseen for GRACE_S, and never
+    before it was first seen (SEEN: it counts as seen now)."""
+
+    def __init__(self, grace_s: float, clock: Callable[[], float] = time.monotonic, seen: bool = False) -> None:
+        self.grace_s = grace_s
+        self._clock = clock
+        self.last_seen: float | None = clock() if seen else None
+
+    def gone(self, present: bool) -> bool:
+        """Note whether the peer is PRESENT now; True when it is gone."""
+        now = self._clock()
+        if present:
+            self.last_seen = now
+            return False
+        return self.last_seen is not None and now - self.last_seen >= self.grace_s
+
+
 class FollowerWatch:
     """The decision part of watching a model spread over several hosts: fed the
     addresses the engine's processes are connected to, tells once that a follower
@@ -195,11 +215,9 @@ class FollowerWatch:
 
     def __init__(self, followers: Iterable[str], grace_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.followers = [normalize_ip(f) for f in followers]
         self.grace_s = grace_s
-        self._clock = clock
-        start = clock()
-        self._last_seen = {f: start for f in self.followers}
+        # Each one's grace starts now: a follower that never joins is gone too.
+        self._sightings = {normalize_ip(f): Sighting(grace_s, clock, seen=True) for f in followers}
         self.cause: str | None = None
 
     def check(self, peers: set[str]) -> str | None:
@@ -207,25 +225,20 @@ class FollowerWatch:
         PEERS: the remote addresses of the engine processes' established connections."""
         if self.cause is not None:
             return None
-        now = self._clock()
-        for follower in self.followers:
-            if follower in peers:
-                self._last_seen[follower] = now
-            elif now - self._last_seen[follower] >= self.grace_s:
+        for follower, sighting in self._sightings.items():
+            if sighting.gone(follower in peers):
                 self.cause = follower_cause(follower, self.grace_s)
                 return self.cause
         return None
 
 
 def normalize_ip(address: str) -> str:
-    """An address as psutil shows a connection's peer: IPv4 without the IPv6 mapping."""
+    """An address as a connection's peer is compared: IPv4 without the IPv6 mapping."""
     return address[len("::ffff:"):] if address.startswith("::ffff:") else address
 
 
 def resolve_followers(names: str) -> list[str]:
     """The IP addresses of model.json's `followers` (names or addresses, by commas)."""
-    import socket
-
     from llmhost.backend.config import ConfigError
 
     found = []
@@ -247,15 +260,60 @@ def connected_peers(root_pid: int) -> set[str]:
 
 def connected_endpoints(root_pid: int) -> set[tuple[str, int]]:
     """Remote (address, port) of the established TCP connections of ROOT_PID's
-    descendants."""
+    descendants. Reads only their own sockets (/proc/PID/fd) and the kernel's TCP
+    tables once, not every process's connections; processes that end meanwhile or
+    deny access are skipped."""
     import psutil
 
     try:
-        pids = {p.pid for p in psutil.Process(root_pid).children(recursive=True)}
+        pids = [p.pid for p in psutil.Process(root_pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         return set()
-    found: set[tuple[str, int]] = set()
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.pid in pids and conn.status == psutil.CONN_ESTABLISHED and conn.raddr:
-            found.add((normalize_ip(conn.raddr.ip), int(conn.raddr.port)))
+    inodes = set()
+    for pid in pids:
+        inodes |= socket_inodes(pid)
+    if not inodes:
+        return set()
+    return established_remotes("/proc/net/tcp", inodes) | established_remotes("/proc/net/tcp6", inodes)
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of PID's open sockets (its /proc/PID/fd links 'socket:[INODE]')."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return set()
+    found = set()
+    for fd in fds:
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.add(target[len("socket:["):-1])
+    return found
+
+
+TCP_ESTABLISHED = "01"
+
+
+def established_remotes(table: str, inodes: set[str]) -> set[tuple[str, int]]:
+    """Remote (address, port) of TABLE's established connections (/proc/net/tcp or
+    tcp6) whose socket is one of INODES. The kernel prints each 32-bit word of an
+    address in the host's byte order."""
+    try:
+        with open(table) as f:
+            lines = f.readlines()[1:]
+    except OSError:
+        return set()
+    found = set()
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 10 or fields[3] != TCP_ESTABLISHED or fields[9] not in inodes:
+            continue
+        address, port = fields[2].split(":")
+        packed = b"".join(int(address[i:i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(address), 8))
+        family = socket.AF_INET if len(packed) == 4 else socket.AF_INET6
+        found.add((normalize_ip(socket.inet_ntop(family, packed)), int(port, 16)))
     return found

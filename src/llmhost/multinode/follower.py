@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from llmhost.backend.config import ConfigError, load_model_config
-from llmhost.backend.watchdog import connected_endpoints, normalize_ip
+from llmhost.backend.watchdog import Sighting, connected_endpoints, normalize_ip
+from llmhost.server.reaping import end_processes, is_resource_tracker
 
 # EX_TEMPFAIL: the head went away; starting again is the way back.
 EXIT_HEAD_GONE = 75
@@ -87,20 +88,17 @@ class HeadWatch:
     def __init__(self, head: tuple[str, int], grace_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.head = head
         self.grace_s = grace_s
-        self._clock = clock
-        self.joined = False
-        self._last_seen = 0.0
+        self._store = Sighting(grace_s, clock)
         self.cause: str | None = None
+
+    @property
+    def joined(self) -> bool:
+        return self._store.last_seen is not None
 
     def check(self, endpoints: Iterable[tuple[str, int]]) -> str | None:
         if self.cause is not None:
             return None
-        now = self._clock()
-        if self.head in set(endpoints):
-            self.joined = True
-            self._last_seen = now
-            return None
-        if self.joined and now - self._last_seen >= self.grace_s:
+        if self._store.gone(self.head in set(endpoints)):
             self.cause = (f"the head's engine at {self.head[0]}:{self.head[1]} has had no connection to this "
                           f"follower's workers for {self.grace_s:g} s (stopped, restarted, or its host is down)")
             return self.cause
@@ -125,21 +123,15 @@ def follower_engine_args(engine_args: dict[str, Any], node_rank: int) -> dict[st
     return {**engine_args, "node_rank": node_rank}
 
 
-def _stop_descendants(timeout_s: float = 10.0) -> None:
+def _stop_workers(grace_s: float = 10.0) -> None:
+    """End this process's descendants (the workers), all but its own resource tracker:
+    it tracks the executor's shared memory, which this process keeps open, and unlinks
+    it once this process has exited too; ended now, it would leak it."""
     import psutil
 
-    procs = psutil.Process().children(recursive=True)
-    for proc in procs:
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
+    me = psutil.Process()
+    own_trackers = [p for p in me.children() if is_resource_tracker(p)]
+    end_processes([p for p in me.children(recursive=True) if p not in own_trackers], grace_s)
 
 
 def _watch_head(watch: HeadWatch, log: Callable[[str], None], textfile: FollowerTextfile | None,
@@ -153,7 +145,7 @@ def _watch_head(watch: HeadWatch, log: Callable[[str], None], textfile: Follower
         if cause is not None:
             log(f"llmhost follow: {cause}; stopping the workers and exiting ({EXIT_HEAD_GONE}) to join its next "
                 "engine")
-            _stop_descendants()
+            _stop_workers()
             if textfile is not None:
                 textfile.close()
             os._exit(EXIT_HEAD_GONE)
@@ -205,7 +197,7 @@ def follow(model_json: Path, node_rank: int, host_ip: str | None, grace_s: float
         # Waits for the head's engine (torch.distributed's store at master_addr:master_port).
         executor = MultiprocExecutor(vllm_config, monitor_workers=False)
     except BaseException:
-        _stop_descendants()
+        _stop_workers()
         if textfile is not None:
             textfile.close()
         raise
