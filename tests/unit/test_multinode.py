@@ -16,6 +16,7 @@ import pytest
 
 from llmhost.backend.config import ConfigError, parse_model_config
 from llmhost.backend.watchdog import FollowerWatch, connected_endpoints, connected_peers, resolve_followers
+from llmhost.multinode import nodecheck
 from llmhost.multinode.follower import HeadWatch, follower_engine_args
 from llmhost.multinode.nodecheck import problems
 
@@ -281,6 +282,93 @@ def test_nodecheck_gathers_this_host_and_compares_hosts(tmp_path: Path, tiny_mod
     missing = subprocess.run([llmhost, "nodecheck", "compare", f"a={tmp_path / 'none.json'}"],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "a's facts in" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    llmhost = str(Path(sys.executable).parent / "llmhost")
+    return subprocess.run([llmhost, "nodecheck", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_blocked_port_is_named_with_both_hosts():
+    found = problems({"a": _facts(), "b": _facts(unreachable={"a at 10.0.0.1:29500": "Connection refused"})})
+    assert found == ["b cannot reach a at 10.0.0.1:29500 (Connection refused): the model's hosts need TCP between "
+                     "them both ways, to the head's node_port (torch.distributed's store) and to the ports Gloo, "
+                     "NCCL and vLLM's message queues pick at start"]
+
+
+def test_listen_returns_at_once_and_stops_listening_once_every_host_connected():
+    fixed = _free_port()
+    done = _run("listen", "--address", "127.0.0.1", "--port", str(fixed), "--port", "0", "--expect", "2",
+                "--seconds", "60", timeout=30)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["address"] == "127.0.0.1" and seen["ports"][0] == fixed and len(seen["ports"]) == 2
+    assert seen["listening"] == seen["ports"] and seen["in_use"] == []
+    targets = {f"{host}:{port}": ("127.0.0.1", port) for host in ("b", "c") for port in seen["ports"]}
+    assert nodecheck.reach(targets, timeout=5) == {}
+    # Two connections a port came: the listener is gone and the engine may take its port.
+    deadline = time.monotonic() + 10
+    while nodecheck.reach({"x": ("127.0.0.1", fixed)}, timeout=1) == {} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert nodecheck.reach({"x": ("127.0.0.1", fixed)}, timeout=1) == {"x": "Connection refused"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", fixed))
+
+
+def test_a_port_in_use_is_reported_for_the_others_to_reach():
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))
+        store.listen()
+        port = store.getsockname()[1]
+        done = _run("listen", "--address", "127.0.0.1", "--port", str(port), "--seconds", "5", timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"address": "127.0.0.1", "ports": [port], "listening": [], "in_use": [port]}
+
+
+def test_listen_on_an_address_this_host_does_not_have_fails_naming_it():
+    done = _run("listen", "--address", "192.0.2.1", "--port", "0", timeout=30)
+    assert done.returncode == 2 and "cannot listen on 192.0.2.1 port 0" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["listen", "--address", "gpu-1", "--port", "0"], "--address must be an IP address, got 'gpu-1'"),
+    (["listen", "--address", "127.0.0.1"], "--port must be given"),
+    (["listen", "--address", "127.0.0.1", "--port", "70000"], "--port must be given, each 0-65535 (got [70000])"),
+    (["listen", "--address", "127.0.0.1", "--port", "0", "--expect", "0"], "--expect must be at least 1"),
+    (["gather", "--model-json", "m.json", "--reach", "b=10.0.0.2"], "--reach: expected HOST=ADDRESS:PORT"),
+    (["gather", "--model-json", "m.json", "--reach", "b=gpu-2:29500"], "with an IP address, got 'b=gpu-2:29500'"),
+])
+def test_bad_listen_and_reach_arguments_are_refused_naming_them(args: list[str], message: str):
+    done = _run(*args, timeout=30)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_targets_parse_with_ipv4_and_ipv6_addresses():
+    assert nodecheck.parse_target("b=10.0.0.2:29500") == ("b", "10.0.0.2", 29500)
+    assert nodecheck.parse_target("b=[fd00::2]:29500") == ("b", "fd00::2", 29500)
+    assert nodecheck.parse_target("b=fd00::2:41000") == ("b", "fd00::2", 41000)
+
+
+def test_gather_names_the_ports_it_cannot_reach(tmp_path: Path, tiny_model: Path):
+    model_json = tmp_path / "model.json"
+    model_json.write_text(json.dumps({"model": str(tiny_model), "pipeline_parallel_size": 2, "nnodes": 2}))
+    with socket.socket() as open_port:
+        open_port.bind(("127.0.0.1", 0))
+        open_port.listen()
+        ok = open_port.getsockname()[1]
+        closed = _free_port()
+        done = _run("gather", "--model-json", str(model_json), "--reach", f"a=127.0.0.1:{ok}",
+                    "--reach", f"a=127.0.0.1:{closed}")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["unreachable"] == {f"a at 127.0.0.1:{closed}": "Connection refused"}
 
 
 def test_follower_textfile_says_joined_and_when_it_last_looked(tmp_path: Path):

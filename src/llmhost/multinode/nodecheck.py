@@ -4,14 +4,21 @@ on, checked before any of them starts.
 vLLM's multi-node runtime fails late and vaguely when its hosts disagree: different
 vLLM or torch versions, the weights missing on one host, a layout that does not
 match the GPUs, Gloo or NCCL on the wrong network interface ("Gloo connectFullMesh
-failed"). ``gather`` reads one host's side (run on each host); ``problems`` compares
-them all and names each cause, with the host it concerns.
+failed"), or a firewall between them (a follower that never joins). ``listen`` opens
+ports on each host for a short while, ``gather`` reads one host's side (run on each
+host) and tries to reach the others' ports; ``problems`` compares them all and names
+each cause, with the host it concerns.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import json
+import os
+import select
+import socket
+import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -52,9 +59,95 @@ def interfaces() -> dict[str, list[str]]:
     return found
 
 
-def gather(model_json: Path, interface: str = "") -> dict[str, Any]:
-    """This host's side: versions, the weights, GPUs, interfaces, and the layout its
-    model.json gives."""
+def _family(address: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+
+
+def open_listeners(address: str, ports: list[int]) -> tuple[list[socket.socket], list[int], list[int]]:
+    """Listen on address at each port (0: one the kernel picks, as Gloo, NCCL and vLLM's
+    message queues do). Returns the sockets, the ports now listening, and the ports
+    that were in use already (on the head's second run, its engine's store holds its
+    port: the others reach that instead). Any other failure raises OSError."""
+    sockets: list[socket.socket] = []
+    bound: list[int] = []
+    in_use: list[int] = []
+    try:
+        for port in ports:
+            sock = socket.socket(_family(address), socket.SOCK_STREAM)
+            try:
+                sock.bind((address, port))
+            except OSError as exc:
+                sock.close()
+                if exc.errno == errno.EADDRINUSE and port:
+                    in_use.append(port)
+                    continue
+                raise OSError(exc.errno, f"cannot listen on {address} port {port}: {exc.strerror}") from exc
+            sock.listen(16)
+            sockets.append(sock)
+            bound.append(sock.getsockname()[1])
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets, bound, in_use
+
+
+def serve_listeners(sockets: list[socket.socket], expect: int, seconds: float) -> int:
+    """Accept (and close at once) connections until `expect` of them came or `seconds`
+    passed; returns how many came. The sockets are closed at the end, so a port the
+    model's engine needs later is free again as soon as every host has reached it."""
+    deadline = time.monotonic() + seconds
+    accepted = 0
+    try:
+        while accepted < expect:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, _, _ = select.select(sockets, [], [], left)
+            for sock in ready:
+                conn, _ = sock.accept()
+                conn.close()
+                accepted += 1
+    finally:
+        for sock in sockets:
+            sock.close()
+    return accepted
+
+
+def reach(targets: dict[str, tuple[str, int]], timeout: float = 5.0) -> dict[str, str]:
+    """Open a TCP connection to each target (a label -> address, port); returns the
+    labels that could not be reached, each with why."""
+    failed: dict[str, str] = {}
+    for label, (address, port) in targets.items():
+        try:
+            with socket.create_connection((address, port), timeout=timeout):
+                pass
+        except TimeoutError:
+            failed[label] = f"no answer within {timeout:g} s: a firewall dropping it?"
+        except OSError as exc:
+            failed[label] = exc.strerror or str(exc)
+    return failed
+
+
+def parse_target(text: str) -> tuple[str, str, int]:
+    """HOST=ADDRESS:PORT (an IPv6 address in brackets or bare) -> (host, address, port)."""
+    host, sep, rest = text.partition("=")
+    address, colon, port = rest.rpartition(":")
+    address = address.strip("[]")
+    if not sep or not host or not colon or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST=ADDRESS:PORT, got {text!r}")
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        raise ValueError(f"expected HOST=ADDRESS:PORT with an IP address, got {text!r}") from None
+    return host, address, int(port)
+
+
+def gather(model_json: Path, interface: str = "", targets: list[tuple[str, str, int]] | None = None,
+           timeout: float = 5.0) -> dict[str, Any]:
+    """This host's side: versions, the weights, GPUs, interfaces, the layout its
+    model.json gives, and which of the other hosts' ports (`targets`: host, address,
+    port) it could not reach."""
     config = load_model_config(model_json)
     engine = config.engine_args
     model = Path(str(engine["model"]))
@@ -67,7 +160,12 @@ def gather(model_json: Path, interface: str = "") -> dict[str, Any]:
         "interfaces": interfaces(),
         "interface": interface,
         "layout": {k: engine.get(k, 1) for k in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes")},
+        "unreachable": reach({f"{h} at {_endpoint(a, p)}": (a, p) for h, a, p in targets or []}, timeout),
     }
+
+
+def _endpoint(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 def problems(facts: dict[str, dict[str, Any]], profile: str = "gpu") -> list[str]:
@@ -115,7 +213,43 @@ def problems(facts: dict[str, dict[str, Any]], profile: str = "gpu") -> list[str
         elif not chosen and len(nics) > 1:
             found.append(f"{h} has several interfaces ({', '.join(sorted(nics))}): name the one the model's hosts "
                          "share (GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME), or Gloo and NCCL may pick another")
+    for h in hosts:
+        for target, why in (facts[h].get("unreachable") or {}).items():
+            found.append(f"{h} cannot reach {target} ({why}): the model's hosts need TCP between them both ways, "
+                         "to the head's node_port (torch.distributed's store) and to the ports Gloo, NCCL and "
+                         "vLLM's message queues pick at start")
     return found
+
+
+def listen_main(address: str, ports: list[int], expect: int, seconds: float) -> int:
+    """Open the listeners, print the ports as JSON, then keep accepting in a child of
+    its own session (the caller, Ansible's command, returns once this prints) until
+    `expect` connections came or `seconds` passed."""
+    import sys
+
+    try:
+        sockets, bound, in_use = open_listeners(address, ports)
+    except OSError as exc:
+        print(f"llmhost nodecheck: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"address": address, "ports": bound + in_use, "listening": bound, "in_use": in_use}),
+          flush=True)
+    if not sockets:
+        return 0
+    if os.fork():
+        for sock in sockets:
+            sock.close()
+        return 0
+    os.setsid()
+    os.chdir("/")
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    try:
+        serve_listeners(sockets, expect * len(sockets), seconds)
+    finally:
+        os._exit(0)
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -127,6 +261,18 @@ def main(argv: list[str]) -> int:
     g = sub.add_parser("gather", help="print this host's facts as JSON")
     g.add_argument("--model-json", type=Path, required=True)
     g.add_argument("--interface", default="", help="the interface the model's hosts share")
+    g.add_argument("--reach", action="append", default=[], metavar="HOST=ADDRESS:PORT",
+                   help="a port another host of the model listens on (`listen`); those this host cannot "
+                        "connect to are in the facts")
+    g.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each --reach connection")
+    li = sub.add_parser("listen", help="listen on ports for the other hosts' `gather --reach`; print them as JSON "
+                                       "and keep listening in the background")
+    li.add_argument("--address", required=True, help="this host's address on the network the model's hosts share")
+    li.add_argument("--port", type=int, action="append", default=[], metavar="PORT",
+                    help="a port to listen on (0: one the kernel picks); repeat for several")
+    li.add_argument("--expect", type=int, default=1, metavar="N",
+                    help="stop once each port had N connections (the other hosts' count)")
+    li.add_argument("--seconds", type=float, default=60.0, help="stop after this long in any case (default 60)")
     c = sub.add_parser("compare", help="compare the hosts' facts; exit 1 naming every problem")
     c.add_argument("facts", nargs="*", metavar="HOST=FILE", help="each host's facts (gather's output), the head first")
     c.add_argument("--stdin", action="store_true",
@@ -134,8 +280,23 @@ def main(argv: list[str]) -> int:
     c.add_argument("--profile", choices=("gpu", "cpu"), default="gpu")
     args = parser.parse_args(argv)
     if args.command == "gather":
-        print(json.dumps(gather(args.model_json, args.interface), sort_keys=True))
+        try:
+            targets = [parse_target(t) for t in args.reach]
+        except ValueError as exc:
+            parser.error(f"--reach: {exc}")
+        print(json.dumps(gather(args.model_json, args.interface, targets, args.timeout), sort_keys=True))
         return 0
+    if args.command == "listen":
+        try:
+            ipaddress.ip_address(args.address)
+        except ValueError:
+            parser.error(f"--address must be an IP address, got {args.address!r}")
+        bad = [p for p in args.port if not 0 <= p < 65536]
+        if not args.port or bad:
+            parser.error(f"--port must be given, each 0-65535 (got {bad or 'none'})")
+        if args.expect < 1 or args.seconds <= 0:
+            parser.error("--expect must be at least 1 and --seconds positive")
+        return listen_main(args.address, args.port, args.expect, args.seconds)
     if args.stdin == bool(args.facts):
         parser.error("give either HOST=FILE arguments or --stdin")
     facts: dict[str, dict[str, Any]] = {}
