@@ -748,6 +748,13 @@ def test_a_model_across_two_hosts_serves_from_its_head(pair: Pair, across: Acros
                           json={"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200, (model, r.text)
         assert r.json()["usage"]["completion_tokens"] >= 1
+    # The play's check of TCP between the hosts ran, and its listeners ended once the
+    # other host had reached them (A's node_port is its engine's store now).
+    assert "Listen for the other hosts of each model across hosts" in across.first.stdout
+    for host in (a.host, b.host):
+        script = ("for f in /proc/[0-9]*/cmdline; do { tr '\\0' ' ' < $f; } 2>/dev/null | grep -q 'nodecheck [l]isten' "
+                  "&& echo $f; done; true")
+        assert host.exec(["sh", "-c", script], check=True).stdout.strip() == "", f"a nodecheck listener on {host.name}"
     # The follower reports itself joined for node_exporter, through the link in its directory.
     prom = b.host.exec(["cat", f"/var/lib/prometheus/node-exporter/llmhost_follower_{ACROSS}.prom"], check=True).stdout
     assert f'llmhost_follower_joined{{model="{ACROSS}"}} 1.0' in prom, prom
