@@ -748,9 +748,11 @@ def test_a_model_across_two_hosts_serves_from_its_head(pair: Pair, across: Acros
                           json={"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200, (model, r.text)
         assert r.json()["usage"]["completion_tokens"] >= 1
-    # The play's check of TCP between the hosts ran, and its listeners ended once the
-    # other host had reached them (A's node_port is its engine's store now).
-    assert "Listen for the other hosts of each model across hosts" in across.first.stdout
+    # The play's check of TCP between the hosts ran: B reached A's node_port and A's
+    # other port, A reached B's one; no listener is left.
+    for run in (across.first, across.second):
+        assert f"[{b.host.name}] => (item={ACROSS}: 2 port(s) of its other hosts)" in run.stdout, run.stdout[-4000:]
+        assert f"[{a.host.name}] => (item={ACROSS}: 1 port(s) of its other hosts)" in run.stdout, run.stdout[-4000:]
     for host in (a.host, b.host):
         script = ("for f in /proc/[0-9]*/cmdline; do { tr '\\0' ' ' < $f; } 2>/dev/null | grep -q 'nodecheck [l]isten' "
                   "&& echo $f; done; true")
