@@ -18,6 +18,7 @@ import json
 import os
 import select
 import socket
+import struct
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -106,6 +107,8 @@ def serve_listeners(sockets: list[socket.socket], expect: int, seconds: float) -
             ready, _, _ = select.select(sockets, [], [], left)
             for sock in ready:
                 conn, _ = sock.accept()
+                # Reset, not a FIN: no TIME_WAIT left on the port for the engine's own bind.
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 conn.close()
                 accepted += 1
     finally:
