@@ -158,6 +158,9 @@ def test_unit_binds_inference_and_metrics_apart_and_restricts_admin_apis(
     # Each model instance's engine socket, in a folder the gateway's group may enter.
     assert "Environment=LLMHOST_ENGINE_SOCKET_DIR=%t/tritonserver/engine" in unit.splitlines()
     assert "RuntimeDirectoryMode=0750" in unit.splitlines()
+    # Counts that outlive the restarts (engine hangs) in a state folder of the service's own.
+    assert {"StateDirectory=tritonserver", "StateDirectoryMode=0750",
+            "Environment=LLMHOST_STATE_DIR=%S/tritonserver"} <= set(unit.splitlines())
 
 
 def test_a_start_that_never_answers_fails_within_the_ready_timeout(renders: Renders) -> None:

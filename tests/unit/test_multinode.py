@@ -321,6 +321,27 @@ def test_listen_returns_at_once_and_stops_listening_once_every_host_connected():
         sock.bind(("127.0.0.1", fixed))
 
 
+def test_probes_are_answered_and_closed_by_the_prober_never_reset():
+    # A loaded host may look at its connection only after the listener has accepted it:
+    # it must still be open then (a listener that reset it fails the probe as
+    # "Connection reset by peer"), and end when the prober closes it.
+    done = _run("listen", "--address", "127.0.0.1", "--port", "0", "--expect", "101", "--seconds", "60",
+                timeout=30)
+    assert done.returncode == 0, done.stderr
+    port = json.loads(done.stdout)["ports"][0]
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
+        time.sleep(0.5)
+        assert slow.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        slow.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            slow.recv(1)
+    assert nodecheck.reach({f"probe {n}": ("127.0.0.1", port) for n in range(100)}, timeout=5) == {}
+    deadline = time.monotonic() + 10
+    while nodecheck.reach({"x": ("127.0.0.1", port)}, timeout=1) == {} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert nodecheck.reach({"x": ("127.0.0.1", port)}, timeout=1) == {"x": "Connection refused"}
+
+
 def test_a_port_in_use_is_reported_for_the_others_to_reach():
     with socket.socket() as store:
         store.bind(("127.0.0.1", 0))

@@ -22,6 +22,7 @@ from llmhost.backend.config import ModelConfig
 from llmhost.backend.errors import RequestError
 from llmhost.backend.failures import ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, SHUTTING_DOWN, classify
 from llmhost.backend.images import no_images_here
+from llmhost.backend.kept_counts import add_count
 from llmhost.backend.lora import find_adapter, lora_request
 from llmhost.backend.metrics import ENGINE_HANGS, ServingMetrics
 from llmhost.backend.outputs import Position, position, positions
@@ -187,8 +188,10 @@ class EngineRunner:
                  stop_file: Path | None = None, server_pid: int | None = None,
                  on_drained: Callable[[], None] | None = None, stats: bool = True,
                  on_engine_death: Callable[[str], bool] | None = None,
-                 death_message: str | None = None) -> None:
+                 death_message: str | None = None, hang_count_file: Path | None = None) -> None:
         self.config = config
+        # Where this instance keeps its hang count across the server's restarts (kept_counts.py).
+        self._hang_count_file = hang_count_file
         # False: no stat logger of ours (the model's metrics are off), so vLLM
         # gathers no statistics unless model.json asks it to log them.
         self._stats = stats
@@ -369,6 +372,11 @@ class EngineRunner:
             cause = self._stall.check(handed_over)
             if cause is not None:
                 self.metrics.inc(ENGINE_HANGS)
+                try:
+                    add_count(self._hang_count_file)
+                except OSError as exc:
+                    self.log_error(f"keeping the hang count in {self._hang_count_file} failed "
+                                   f"({exc.strerror or exc}): it starts from 0 again after the restart")
                 await self._engine_died(cause, "hung")
                 return
             if not self._server_stopping and stop_requested(self._stop_file, self._server_pid):

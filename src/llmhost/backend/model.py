@@ -41,8 +41,9 @@ from llmhost.backend.errors import RequestError, safe_message
 from llmhost.backend.failures import SHUTTING_DOWN_MESSAGE
 from llmhost.backend.health import UNHEALTHY_MESSAGE, SelfUnload
 from llmhost.backend.images import IMAGE
+from llmhost.backend.kept_counts import count_file, read_count
 from llmhost.backend.lora import check_published, find_adapter, with_adapters
-from llmhost.backend.metrics import RESPONSE_DELAY, ServingMetrics, TritonExporter
+from llmhost.backend.metrics import ENGINE_HANGS, RESPONSE_DELAY, ServingMetrics, TritonExporter
 from llmhost.backend.outputs import response_outputs
 from llmhost.backend.request import (
     BOOL_INPUTS,
@@ -418,6 +419,11 @@ class TritonPythonModel:
         self.config = self._load_config(pb, args)
         self._apply_placement(args)
         self.metrics = ServingMetrics()
+        # Hangs counted before the server's last restarts (kept_counts.py).
+        hang_count_file = count_file("engine_hangs", args["model_name"],
+                                     str(args.get("model_instance_name") or args["model_name"]))
+        if hangs := read_count(hang_count_file):
+            self.metrics.inc(ENGINE_HANGS, hangs)
         # config.pbtxt's parameters, as NVIDIA's vllm_backend reads them (triton_params.py).
         report_metrics = metrics_enabled(model_config, self.config.engine_args)
         self.health: SelfUnload | None = None
@@ -429,7 +435,8 @@ class TritonPythonModel:
                                    lambda m: pb.Logger.log_error(f"[llmhost] {m}"),
                                    stop_server=self._stop_server_when_sent, on_drained=self._drained_when_sent,
                                    stats=report_metrics, on_engine_death=self.health,
-                                   death_message=UNHEALTHY_MESSAGE if self.health else None)
+                                   death_message=UNHEALTHY_MESSAGE if self.health else None,
+                                   hang_count_file=hang_count_file)
         try:
             self.runner.start()  # bounded: whatever fails before the engine is up ends here
         except EngineStartError as exc:

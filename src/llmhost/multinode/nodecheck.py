@@ -18,7 +18,6 @@ import json
 import os
 import select
 import socket
-import struct
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -95,25 +94,40 @@ def open_listeners(address: str, ports: list[int]) -> tuple[list[socket.socket],
 
 
 def serve_listeners(sockets: list[socket.socket], expect: int, seconds: float) -> int:
-    """Accept (and close at once) connections until `expect` of them came or `seconds`
-    passed; returns how many came. The sockets are closed at the end, so a port the
-    model's engine needs later is free again as soon as every host has reached it."""
+    """Accept connections until `expect` of them came or `seconds` passed; returns how
+    many came. The listeners close as soon as the last one came, so a port the model's
+    engine needs later is free again once every host has reached it. Each accepted
+    connection is closed only after its peer closed it: the peer keeps the TIME_WAIT,
+    not this port, and it never sees a reset."""
     deadline = time.monotonic() + seconds
     accepted = 0
+    listening = list(sockets)
+    peers: list[socket.socket] = []
     try:
-        while accepted < expect:
+        while listening or peers:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            ready, _, _ = select.select(sockets, [], [], left)
+            ready, _, _ = select.select(listening + peers, [], [], left)
             for sock in ready:
-                conn, _ = sock.accept()
-                # Reset, not a FIN: no TIME_WAIT left on the port for the engine's own bind.
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                conn.close()
-                accepted += 1
+                if sock in peers:
+                    try:
+                        more = sock.recv(4096)
+                    except OSError:
+                        more = b""
+                    if not more:
+                        sock.close()
+                        peers.remove(sock)
+                elif sock in listening:
+                    conn, _ = sock.accept()
+                    peers.append(conn)
+                    accepted += 1
+                    if accepted >= expect:
+                        for listener in listening:
+                            listener.close()
+                        listening = []
     finally:
-        for sock in sockets:
+        for sock in listening + peers:
             sock.close()
     return accepted
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from llmhost.backend.config import BackendSettings
+from llmhost.backend.kept_counts import STATE_DIR_ENV
 from llmhost.backend.lora import MULTI_LORA_JSON, lora_enabled
 from llmhost.backend.stream_socket import SOCKET_DIR_ENV
 from llmhost.backend.watchdog import describe_exit
@@ -46,6 +47,7 @@ PR_SET_CHILD_SUBREAPER = 36
 ADMIN_KEY_FILE = "admin-key"
 # The folder of the engine sockets, in the work directory.
 ENGINE_SOCKET_DIR = "engine"
+STATE_DIR = "state"
 REPOSITORY_DIR = "models"
 # tritonserver's working directory, in the work directory, and empty: its Python
 # processes (the stub, vLLM's `python -m` helpers and workers) put it first on their
@@ -153,6 +155,8 @@ def server_environment(workdir: Path, device: str, kv_cache_gib: int, triton: Tr
     env[STOP_FILE_ENV] = str(workdir / STOP_FILE_NAME)  # see llmhost.server.stopfile
     # Each model instance's engine socket, for a gateway on this host (llmhost.backend.stream_socket).
     env[SOCKET_DIR_ENV] = str(workdir / ENGINE_SOCKET_DIR)
+    # Counts that outlive tritonserver's restarts, such as engine hangs (llmhost.backend.kept_counts).
+    env[STATE_DIR_ENV] = str(workdir / STATE_DIR)
     if device == "cpu":
         # vLLM's CPU default asks for most of NUMA node 0 and fails on small hosts.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
