@@ -49,8 +49,13 @@ def test_env_file_and_model_permissions(converged: Converged):
     # Directories: the configuration readable by the service's group only, the state
     # directory the service's alone, the unit root's.
     for path, want in (("/etc/llmhost", "750 root llmhost"), ("/var/lib/llmhost", "750 llmhost llmhost"),
+                       ("/var/lib/tritonserver", "750 llmhost llmhost"),
                        ("/etc/systemd/system/tritonserver.service", "644 root root")):
         assert host.exec(f"stat -c '%a %U %G' {path}").stdout.strip() == want, path
+    # The running server keeps its counts (engine hangs) there, across its restarts.
+    pid = host.exec(["systemctl", "show", "-p", "MainPID", "--value", "tritonserver"]).stdout.strip()
+    environ = host.exec(["cat", f"/proc/{pid}/environ"], check=True).stdout.split("\0")
+    assert "LLMHOST_STATE_DIR=/var/lib/tritonserver" in environ, environ
     # Models and weights: root's, nothing writable by group or others, nothing owned
     # by the service user, and the service user can read every file.
     for tree in ("/opt/llmhost/models", "/opt/llmhost/weights"):
