@@ -388,6 +388,12 @@ class _TritonIOPool:
             shard.thread.join(timeout=30)
 
 
+def instance_name(args: dict[str, Any]) -> str:
+    """This model instance's name, as Triton's initialize() args give it (the model's
+    name where they lack it): its engine socket, its metric series, its kept counts."""
+    return str(args.get("model_instance_name") or args["model_name"])
+
+
 class TritonPythonModel:
     @staticmethod
     def auto_complete_config(auto_complete_model_config: Any) -> Any:
@@ -420,8 +426,7 @@ class TritonPythonModel:
         self._apply_placement(args)
         self.metrics = ServingMetrics()
         # Hangs counted before the server's last restarts (kept_counts.py).
-        hang_count_file = count_file("engine_hangs", args["model_name"],
-                                     str(args.get("model_instance_name") or args["model_name"]))
+        hang_count_file = count_file("engine_hangs", args["model_name"], instance_name(args))
         if hangs := read_count(hang_count_file):
             self.metrics.inc(ENGINE_HANGS, hangs)
         # config.pbtxt's parameters, as NVIDIA's vllm_backend reads them (triton_params.py).
@@ -467,7 +472,7 @@ class TritonPythonModel:
         directory = os.environ.get(SOCKET_DIR_ENV, "").strip()
         if not directory:
             return None
-        instance = str(args.get("model_instance_name") or args["model_name"])
+        instance = instance_name(args)
         server = StreamSocketServer(self.runner, self.config.settings,
                                     socket_path(Path(directory), args["model_name"],
                                                 str(args.get("model_version", "1")), instance),
@@ -479,8 +484,7 @@ class TritonPythonModel:
         """The metric families on Triton's /metrics; None where the server has metrics
         off (``--allow-metrics=false``), as vllm_backend then goes on without them."""
         try:
-            return TritonExporter(pb, args["model_name"], args.get("model_version", "1"),
-                                  str(args.get("model_instance_name") or args["model_name"]))
+            return TritonExporter(pb, args["model_name"], args.get("model_version", "1"), instance_name(args))
         except pb.TritonModelException as exc:
             if "metrics not supported" not in str(exc):
                 raise
