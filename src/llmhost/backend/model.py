@@ -455,6 +455,8 @@ class TritonPythonModel:
 
             pin_frontend(lambda m: pb.Logger.log_info(f"[llmhost] {m}"))
         self.io = _TritonIOPool(self.runner, self.metrics, self.config.settings, exporter)
+        # Every series, the hangs kept from before a restart among them, on /metrics once the model is ready.
+        self.io.push.flush(pb)
         self.engine_socket = self._open_engine_socket(pb, args)
         _freeze_startup_heap()
         pb.Logger.log_info(f"[llmhost] model {args['model_name']} ready "
