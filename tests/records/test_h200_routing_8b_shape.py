@@ -28,8 +28,9 @@ import re
 
 import pytest
 
-from lab.gpu_routing_check import PLAN, acceptance, hit_rate, policy_order, ratios, routing_decisions, seed_of
+from lab.gpu_routing_check import PLAN, acceptance, policy_order, ratios, routing_decisions, seed_of
 from tests.harness.paths import FIXTURES, ROOT
+from tests.records._routing import assert_run_follows_from_its_counters
 
 RUN = FIXTURES / "gpu" / "h200-580.159.04-real" / "device-run-2026-12-03-routing-8b"
 SKIPPED = {("least_loaded", "prefix"), ("least_loaded", "random"), ("round_robin", "random"),
@@ -69,12 +70,7 @@ def test_every_planned_run_recorded_in_order_with_its_seed(res: dict):
 
 def test_decisions_and_hit_rates_follow_from_the_counters(res: dict):
     for x in res["runs"]:
-        assert sum(x["routing_decisions"].values()) == x["completed"]
-        expected = {"prefix", "load_bound"} if x["policy"] == "cache_aware" else {x["policy"]}
-        assert set(x["routing_decisions"]) == expected
-        hits = sum(r["prefix_hits"] for r in x["replicas"].values())
-        queries = sum(r["prefix_queries"] for r in x["replicas"].values())
-        assert x["fleet_hit_rate"] == hit_rate(hits, queries)
+        assert_run_follows_from_its_counters(x, x["completed"])
     # The gateway's last /metrics: its counters since its start for the last policy's runs.
     last = [x for x in res["runs"] if x["policy"] == res["runs"][-1]["policy"]]
     summed: dict[str, float] = {}
