@@ -63,15 +63,22 @@ STREAMING = {
 CLIENT = "vllm bench serve (in process, llmhost.bench.vllm_client), one process on the same host's CPUs"
 REPLICA_COUNTERS = {"prefix_hits": "vllm:prefix_cache_hits_total", "prefix_queries": "vllm:prefix_cache_queries_total",
                     "requests": "vllm:request_success_total", "prompt_tokens": "vllm:prompt_tokens_total",
-                    "generation_tokens": "vllm:generation_tokens_total", "preemptions": "vllm:num_preemptions_total"}
+                    "generation_tokens": "vllm:generation_tokens_total", "preemptions": "vllm:num_preemptions_total",
+                    "ttft_sum_s": "vllm:time_to_first_token_seconds_sum",
+                    "ttft_count": "vllm:time_to_first_token_seconds_count"}
 ROUTING_LINE = re.compile(r'^llmhost_gateway_routing_decisions_total\{([^}]*)\}\s+(\S+)', re.M)
 
 
 # --- pure helpers (tested in tests/records/test_h200_routing_cache_aware.py) ------------
 
-def policy_order(rnd: int) -> list[str]:
+def policy_order(rnd: int, policies: tuple[str, ...] = POLICIES) -> list[str]:
     """The policies in round RND (from 0): POLICIES, reversed in odd rounds."""
-    return list(POLICIES) if rnd % 2 == 0 else list(reversed(POLICIES))
+    return list(policies) if rnd % 2 == 0 else list(reversed(policies))
+
+
+def cache_aware_variant(policy: str) -> bool:
+    """cache_aware, or cache_aware@F: cache_aware with the gateway's load factor F."""
+    return policy == "cache_aware" or policy.startswith("cache_aware@")
 
 
 def seed_of(rnd: int, index: int) -> int:
@@ -110,17 +117,19 @@ def hit_rate(hits: float, queries: float) -> float | None:
 
 
 def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (workload, concurrency) and base policy: cache_aware / base for tok/s, TTFT p50
-    and ITL p50 in each round where both ran, and the medians of those per-round ratios;
-    each policy's median fleet prefix-cache hit rate there."""
+    """Per (workload, concurrency), cache_aware policy (and each cache_aware@F variant run)
+    and base policy: cache_aware / base for tok/s, TTFT p50 and ITL p50 in each round where
+    both ran, and the medians of those per-round ratios; each policy's median fleet
+    prefix-cache hit rate there."""
     rows = []
     for workload, c in sorted({(r["workload"], r["concurrency"]) for r in runs}):
         here = [r for r in runs if r["workload"] == workload and r["concurrency"] == c]
+        ran = [*POLICIES, *sorted({r["policy"] for r in here} - set(POLICIES))]
         rates = {p: statistics.median(r["fleet_hit_rate"] for r in here if r["policy"] == p)
-                 for p in POLICIES if any(r["policy"] == p and r["fleet_hit_rate"] is not None for r in here)}
-        for base in ("round_robin", "least_loaded"):
+                 for p in ran if any(r["policy"] == p and r["fleet_hit_rate"] is not None for r in here)}
+        for policy, base in ((p, b) for p in ran if cache_aware_variant(p) for b in ("round_robin", "least_loaded")):
             pairs = [(a, b) for a in here for b in here
-                     if a["policy"] == "cache_aware" and b["policy"] == base and a["round"] == b["round"]]
+                     if a["policy"] == policy and b["policy"] == base and a["round"] == b["round"]]
             if not pairs:
                 continue
 
@@ -130,7 +139,7 @@ def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             tps = per_round(lambda r: r["output_tokens_per_s"])
             ttft = per_round(lambda r: r["ttft_ms"]["median"])
             itl = per_round(lambda r: r["itl_ms"]["median"])
-            rows.append({"workload": workload, "concurrency": c, "policy": "cache_aware", "base": base,
+            rows.append({"workload": workload, "concurrency": c, "policy": policy, "base": base,
                          "rounds": len(pairs), "tps": round(statistics.median(tps), 3) if tps else None,
                          "ttft_p50": round(statistics.median(ttft), 3) if ttft else None,
                          "itl_p50": round(statistics.median(itl), 3) if itl else None,
@@ -144,7 +153,7 @@ def acceptance(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for goal in ACCEPTANCE:
         row = next((r for r in rows if r["workload"] == goal["workload"] and r["concurrency"] == goal["concurrency"]
-                    and r["base"] == goal["base"]), None)
+                    and r["policy"] == "cache_aware" and r["base"] == goal["base"]), None)
         held: bool | None = None
         if row is not None and row["tps"] is not None:
             held = row["tps"] >= goal["min_tps"]
@@ -206,7 +215,9 @@ def _servers() -> tuple[type, type]:
             cmd = [sys.executable, "-m", "llmhost.cli", "gateway", "--listen", f"127.0.0.1:{self.port}",
                    "--metrics-listen", f"127.0.0.1:{self.port + 1}", "--keys-file", str(self.keys_file),
                    "--model", NAME, "--max-concurrent-upstream", "1024", "--log-level", "warning",
-                   "--routing", self.policy]
+                   "--routing", self.policy.partition("@")[0]]
+            if "@" in self.policy:
+                cmd += ["--routing-load-factor", self.policy.partition("@")[2]]
             for r in self.replicas:
                 cmd += ["--upstream", r.grpc]
             for r in self.replicas:
@@ -274,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="each replica's KV cache in GiB (vLLM's kv_cache_memory_bytes; 0: what "
                          "--gpu-memory-utilization leaves): sized so one replica holds part of the prefix set "
                          "and the fleet all of it")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="the policies each round runs, in order (reversed every other round); cache_aware@F is "
+                         "cache_aware with the gateway's --routing-load-factor F")
+    ap.add_argument("--only", action="append", default=[], metavar="WORKLOAD:CONCURRENCY",
+                    help="run only these entries of PLAN (repeatable; each keeps its seed)")
     ap.add_argument("--skip", action="append", default=[], metavar="POLICY:WORKLOAD",
                     help="runs left out, e.g. least_loaded:prefix (repeatable)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/routing-work"))
@@ -300,13 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_cache_gib:
         engine["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     skip = {tuple(x.split(":", 1)) for x in args.skip}
+    policies = tuple(args.policies.split(","))
+    if not all(p in POLICIES or cache_aware_variant(p) for p in policies):
+        ap.error(f"--policies: {args.policies!r}: each one of {', '.join(POLICIES)} or cache_aware@F")
+    only = {(w, int(c)) for w, c in (x.split(":", 1) for x in args.only)} or set(PLAN)
+    if not only <= set(PLAN):
+        ap.error(f"--only: not in the plan: {sorted(only - set(PLAN))}")
 
     def requests_of(workload: str, c: int) -> int:
         return args.prefix_requests if workload == "prefix" and args.prefix_requests else requests_for(c)
     input_len = args.prefix_len + args.suffix_len
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "vllm": vllm.__version__, "gpu": gpu,
-        "cpus": os.cpu_count(), "rounds_asked": args.rounds, "budget_s": args.budget,
+        "cpus": os.cpu_count(), "rounds_asked": args.rounds, "budget_s": args.budget, "policies": list(policies),
         "routing_module": {"file": routing.__file__, "policies": list(routing.POLICIES),
                            "default_policy": routing.DEFAULT_POLICY, "prefix_chars": routing.DEFAULT_PREFIX_CHARS,
                            "load_factor": routing.DEFAULT_LOAD_FACTOR},
@@ -322,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "suffix_len": args.suffix_len, "num_prefixes": args.num_prefixes},
                      "random": {"dataset": "random", "input_len": input_len},
                      "requests": {f"{w}:{c}": requests_of(w, c) for w, c in PLAN},
-                     "skipped_runs": sorted(":".join(x) for x in skip)},
+                     "skipped_runs": sorted(":".join(x) for x in skip),
+                     "only": sorted(f"{w}:{c}" for w, c in only)},
         "acceptance_goals": list(ACCEPTANCE), "runs": [], "order": [], "skipped": []}
 
     def save() -> None:
@@ -409,7 +432,9 @@ def main(argv: list[str] | None = None) -> int:
             client_cpu_cores=round((ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime) / wall, 2),
             server_cpu_cores={k: round((tree_cpu_s(p) - cpu0[k]) / wall, 2) for k, p in procs.items()},
             replicas={side: {**{k: round(v, 1) for k, v in d.items()},
-                             "hit_rate": hit_rate(d["prefix_hits"], d["prefix_queries"])} for side, d in delta.items()},
+                             "hit_rate": hit_rate(d["prefix_hits"], d["prefix_queries"]),
+                             "ttft_mean_ms": round(1000 * d["ttft_sum_s"] / d["ttft_count"], 1)
+                             if d["ttft_count"] else None} for side, d in delta.items()},
             fleet_hit_rate=hit_rate(hits, queries),
             routing_decisions={k: round(v - routed0.get(k, 0.0), 1) for k, v in routed1.items()
                                if v - routed0.get(k, 0.0)})
@@ -427,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         res["replica_ready_s"] = {r.side: r.ready_s for r in replicas}
         start_gateway("least_loaded")
         # Warm-up, not recorded: the run's prompt length at both levels' batch sizes.
-        for c in (64, 256):
+        for c in sorted({c for _, c in only}):
             w = measure("least_loaded", "random", c, None, 7 + c, c, 16)
             log(f"warm-up c={c}: {w['output_tokens_per_s']:.0f} tok/s, failed {w['failed']}")
         log(f"servers up and warm after {time.monotonic() - t_start:.0f} s")
@@ -441,21 +466,27 @@ def main(argv: list[str] | None = None) -> int:
                 break
             t_round = time.monotonic()
             index = 0
-            for policy in policy_order(rnd):
+            for policy in policy_order(rnd, policies):
+                todo = {(w, c) for w, c in PLAN if (policy, w) not in skip and (w, c) in only}
+                if not todo:  # nothing to measure: no gateway start either
+                    index += len(PLAN)
+                    continue
                 start_gateway(policy)
                 res["order"].append(f"round {rnd + 1}: {policy}")
                 for workload, c in PLAN:
                     seed = seed_of(rnd, index)
                     index += 1
-                    if (policy, workload) in skip:
+                    if (workload, c) not in todo:
                         continue
                     run = measure(policy, workload, c, rnd, seed, requests_of(workload, c), args.output_len)
                     res["runs"].append(run)
+                    per_replica = {k: (d["requests"], d["hit_rate"], d["ttft_mean_ms"])
+                                   for k, d in run["replicas"].items()}
                     log(f"round {rnd + 1} {policy:12} {workload:6} c={c:<3} seed {seed}: "
                         f"{run['output_tokens_per_s']:8.0f} tok/s  TTFT p50 {run['ttft_ms']['median']:8.1f} ms  "
                         f"ITL p50 {run['itl_ms']['median']:6.2f} ms  failed {run['failed']}/{run['requests']}  "
-                        f"fleet hit {run['fleet_hit_rate']}  per replica "
-                        f"{ {s: (d['requests'], d['hit_rate']) for s, d in run['replicas'].items()} }  "
+                        f"fleet hit {run['fleet_hit_rate']}  per replica (requests, hit rate, TTFT mean ms) "
+                        f"{per_replica}  "
                         f"routed {run['routing_decisions']}  GPU {run['gpu_util_pct']}%  client "
                         f"{run['client_cpu_cores']} cores  servers {run['server_cpu_cores']}  {run['wall_s']} s")
                     save()

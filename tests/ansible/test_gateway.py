@@ -237,7 +237,7 @@ RENDERS: dict[str, dict[str, Any]] = {
                                                       {"name": "qwen", "source": "tiny"}],
                           "gateway_listen_address": "127.0.0.1", "gateway_routing": "least_loaded",
                           "gateway_model_routing": {"tiny": "cache_aware", "embed": "round_robin"},
-                          "gateway_routing_prefix_chars": 2048, "gateway_routing_load_factor": 1.5,
+                          "gateway_routing_prefix_chars": 2048, "gateway_routing_load_factor": 1.75,
                           "gateway_routing_session_user": True},
 }
 
@@ -575,7 +575,7 @@ def test_the_unit_routes_cache_aware_by_default(renders: dict[str, Rendered]) ->
     assert run.rc == 0, run.output
     unit = renders["plain"].read("unit")
     for want in ("  --routing cache_aware \\\n", "  --routing-prefix-chars 1024 \\\n",
-                 "  --routing-load-factor 1.25 \\\n"):
+                 "  --routing-load-factor 1.5 \\\n"):
         assert want in unit, want
     assert "--model-routing" not in unit and "--routing-session-user" not in unit
 
@@ -590,14 +590,14 @@ def test_the_unit_renders_the_routing_settings(renders: dict[str, Rendered]) -> 
     unit = case.read("unit")
     assert ("  --routing least_loaded \\\n  --model-routing embed=round_robin \\\n"
             "  --model-routing tiny=cache_aware \\\n  --routing-prefix-chars 2048 \\\n"
-            "  --routing-load-factor 1.5 \\\n  --routing-session-user \\\n") in unit, unit
+            "  --routing-load-factor 1.75 \\\n  --routing-session-user \\\n") in unit, unit
     argv = _exec_start(unit)
     assert argv[0].endswith("/bin/llmhost") and argv[1] == "gateway", argv
     config = settings(build_parser().parse_args(argv[2:]))
     assert config.models == ["tiny", "embed", "qwen"]
     assert config.routing_policy == "least_loaded"
     assert config.model_routing == {"embed": "round_robin", "tiny": "cache_aware"}
-    assert (config.routing_prefix_chars, config.routing_load_factor, config.routing_session_user) == (2048, 1.5, True)
+    assert (config.routing_prefix_chars, config.routing_load_factor, config.routing_session_user) == (2048, 1.75, True)
     assert config.routing.policy_of("qwen") == "least_loaded" and config.routing.policy_of("embed") == "round_robin"
 
 

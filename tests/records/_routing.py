@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from lab.gpu_routing_check import hit_rate
+from lab.gpu_routing_check import cache_aware_variant, hit_rate, routing_decisions
 
 
 def assert_run_follows_from_its_counters(run: dict[str, Any], routed: float) -> float:
     """The run's routing decisions (ROUTED of them, each for its policy's reasons) and its
     fleet hit rate agree with the counters recorded; returns the fleet's prefix-cache queries."""
     assert sum(run["routing_decisions"].values()) == routed
-    expected = {"prefix", "load_bound"} if run["policy"] == "cache_aware" else {run["policy"]}
-    assert set(run["routing_decisions"]) == expected
+    if cache_aware_variant(run["policy"]):  # its key's first choice; past the load bound, the next one
+        assert "prefix" in run["routing_decisions"] and set(run["routing_decisions"]) <= {"prefix", "load_bound"}
+    else:
+        assert set(run["routing_decisions"]) == {run["policy"]}
     hits = sum(r["prefix_hits"] for r in run["replicas"].values())
     queries = sum(r["prefix_queries"] for r in run["replicas"].values())
     assert run["fleet_hit_rate"] == hit_rate(hits, queries)
     return queries
+
+
+def assert_last_gateway_counted(run_dir: Path, runs: list[dict[str, Any]]) -> None:
+    """The gateway's last /metrics (RUN_DIR's gateway-metrics.txt) counts RUNS' decisions:
+    those its process made since it started."""
+    summed: dict[str, float] = {}
+    for x in runs:
+        for reason, n in x["routing_decisions"].items():
+            summed[reason] = summed.get(reason, 0.0) + n
+    assert {k: v for k, v in routing_decisions((run_dir / "gateway-metrics.txt").read_text()).items() if v} == summed

@@ -28,9 +28,9 @@ import re
 
 import pytest
 
-from lab.gpu_routing_check import PLAN, acceptance, policy_order, ratios, routing_decisions, seed_of
+from lab.gpu_routing_check import PLAN, acceptance, policy_order, ratios, seed_of
 from tests.harness.paths import FIXTURES, ROOT
-from tests.records._routing import assert_run_follows_from_its_counters
+from tests.records._routing import assert_last_gateway_counted, assert_run_follows_from_its_counters
 
 RUN = FIXTURES / "gpu" / "h200-580.159.04-real" / "device-run-2026-12-03-routing-8b"
 SKIPPED = {("least_loaded", "prefix"), ("least_loaded", "random"), ("round_robin", "random"),
@@ -72,12 +72,7 @@ def test_decisions_and_hit_rates_follow_from_the_counters(res: dict):
     for x in res["runs"]:
         assert_run_follows_from_its_counters(x, x["completed"])
     # The gateway's last /metrics: its counters since its start for the last policy's runs.
-    last = [x for x in res["runs"] if x["policy"] == res["runs"][-1]["policy"]]
-    summed: dict[str, float] = {}
-    for x in last:
-        for reason, n in x["routing_decisions"].items():
-            summed[reason] = summed.get(reason, 0.0) + n
-    assert {k: v for k, v in routing_decisions((RUN / "gateway-metrics.txt").read_text()).items() if v} == summed
+    assert_last_gateway_counted(RUN, [x for x in res["runs"] if x["policy"] == res["runs"][-1]["policy"]])
 
 
 def test_cache_aware_hits_more_at_both_levels(res: dict):

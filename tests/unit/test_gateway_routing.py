@@ -339,10 +339,10 @@ def test_the_routing_flags(tmp_path: Path):
     keys.write_text('{"keys": []}')
     base = ["--model", "m", "--keys-file", str(keys)]
     config = settings(build_parser().parse_args([*base, "--routing", "round_robin", "--model-routing",
-                                                 "m=least_loaded", "--routing-load-factor", "1.5",
+                                                 "m=least_loaded", "--routing-load-factor", "1.75",
                                                  "--routing-prefix-chars", "100", "--routing-session-user"]))
     assert (config.routing.policy, config.routing.policy_of("m")) == (ROUND_ROBIN, LEAST_LOADED)
-    assert (config.routing.load_factor, config.routing.prefix_chars, config.routing.session_user) == (1.5, 100, True)
+    assert (config.routing.load_factor, config.routing.prefix_chars, config.routing.session_user) == (1.75, 100, True)
     with pytest.raises(ConfigError, match=r"--model-routing other=.*not a served model"):
         settings(build_parser().parse_args([*base, "--model-routing", "other=round_robin"]))
     for bad in (["--model-routing", "m=fastest"], ["--routing-load-factor", "0.9"], ["--routing", "random"]):

@@ -42,7 +42,7 @@ unknown key is refused by name. Relative paths are relative to the file's folder
       policy: cache_aware              # --routing: cache_aware, least_loaded or round_robin
       models: {embedder: least_loaded} # --model-routing NAME=POLICY; a model's own policy
       prefix_chars: 1024               # --routing-prefix-chars; the prompt's start that makes its key
-      load_factor: 1.25                # --routing-load-factor; a replica's bound, times the mean load
+      load_factor: 1.5                 # --routing-load-factor; a replica's bound, times the mean load
       session_user: false              # --routing-session-user; the OpenAI user field pins like x-session-id
     tls:                               # both or neither
       cert: /etc/llmhost/gateway.crt   # --tls-cert
