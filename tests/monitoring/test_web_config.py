@@ -335,8 +335,24 @@ def test_rendered_files_with_tls_and_basic_auth(work: Path, tls: dict[str, Path]
     assert not off.file("prometheus-web.yml").exists()
 
 
+def on_free_ports(check: Any, *args: Any) -> None:
+    """CHECK(node_port, prom_port, *ARGS) on two free ports, again on two others where a
+    service found its port taken in the meantime (another test's process took it between
+    free_port() and the service's start, which the render in between makes seconds)."""
+    for attempt in range(3):
+        try:
+            check(free_port(), free_port(), *args)
+            return
+        except AssertionError as exc:
+            if "address already in use" not in str(exc) or attempt == 2:
+                raise
+
+
 def test_real_node_exporter_and_prometheus_with_the_rendered_web_config(work: Path, tls: dict[str, Path]):
-    node_port, prom_port = free_port(), free_port()
+    on_free_ports(_real_services_with_the_web_config, work, tls)
+
+
+def _real_services_with_the_web_config(node_port: int, prom_port: int, work: Path, tls: dict[str, Path]) -> None:
     host, extra = secured(tls, node_port, prom_port)
     r = render(work, host, **extra).ok()
     node_url = f"https://127.0.0.1:{node_port}/metrics"
@@ -361,7 +377,10 @@ def test_real_node_exporter_and_prometheus_with_the_rendered_web_config(work: Pa
 
 def test_prometheus_marks_a_node_exporter_down_with_a_wrong_password(work: Path, tls: dict[str, Path]):
     """The real check can fail: the same setup with a scrape password the hash does not match."""
-    node_port, prom_port = free_port(), free_port()
+    on_free_ports(_node_down_with_a_wrong_password, work, tls)
+
+
+def _node_down_with_a_wrong_password(node_port: int, prom_port: int, work: Path, tls: dict[str, Path]) -> None:
     host, extra = secured(tls, node_port, prom_port)
     host["node_exporter_web_basic_auth_users"] = {
         SCRAPE_USER: "$2b$10$Ka1mh4h3w/pKRtdfe1OqFOGPkFU1vE.08QZnDVkTU7OkW3zW.qeyT"}
