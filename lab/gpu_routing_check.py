@@ -216,8 +216,8 @@ def _servers() -> tuple[type, type]:
                    "--metrics-listen", f"127.0.0.1:{self.port + 1}", "--keys-file", str(self.keys_file),
                    "--model", NAME, "--max-concurrent-upstream", "1024", "--log-level", "warning",
                    "--routing", self.policy.partition("@")[0]]
-            if "@" in self.policy:
-                cmd += ["--routing-load-factor", self.policy.partition("@")[2]]
+            if load_factor := self.policy.partition("@")[2]:
+                cmd += ["--routing-load-factor", load_factor]
             for r in self.replicas:
                 cmd += ["--upstream", r.grpc]
             for r in self.replicas:
@@ -294,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="runs left out, e.g. least_loaded:prefix (repeatable)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/routing-work"))
     args = ap.parse_args(argv)
+    policies = tuple(args.policies.split(","))
+    if not all(p in POLICIES or cache_aware_variant(p) for p in policies):
+        ap.error(f"--policies: {args.policies!r}: each one of {', '.join(POLICIES)} or cache_aware@F")
+    only = {(w, int(c)) for w, c in (x.split(":", 1) for x in args.only)} or set(PLAN)
+    if not only <= set(PLAN):
+        ap.error(f"--only: not in the plan: {sorted(only - set(PLAN))}")
     t_start = time.monotonic()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -316,12 +322,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_cache_gib:
         engine["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     skip = {tuple(x.split(":", 1)) for x in args.skip}
-    policies = tuple(args.policies.split(","))
-    if not all(p in POLICIES or cache_aware_variant(p) for p in policies):
-        ap.error(f"--policies: {args.policies!r}: each one of {', '.join(POLICIES)} or cache_aware@F")
-    only = {(w, int(c)) for w, c in (x.split(":", 1) for x in args.only)} or set(PLAN)
-    if not only <= set(PLAN):
-        ap.error(f"--only: not in the plan: {sorted(only - set(PLAN))}")
 
     def requests_of(workload: str, c: int) -> int:
         return args.prefix_requests if workload == "prefix" and args.prefix_requests else requests_for(c)

@@ -54,7 +54,7 @@ DEFAULT_PREFIX_CHARS = 1024
 # bounded loads). A request sent past the bound lands where its prefix is not cached, so
 # the bound should stop a hot key from taking a replica over, not even out the ordinary
 # spread of keys: 1.5 lets two replicas split 75/25 before a key moves on (1.25 moved
-# 5-10 % of a shared-prefix workload's requests and cost more than it balanced).
+# 5-11 % of a shared-prefix workload's requests and cost more than it balanced).
 DEFAULT_LOAD_FACTOR = 1.5
 SESSION_HEADER = "x-session-id"
 # The most characters of a session hint that count (a longer one is cut).
