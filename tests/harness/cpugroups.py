@@ -90,26 +90,32 @@ def folder_of(nodeid: str) -> str:
     return path.rsplit("/", 1)[0] if "/" in path else path
 
 
-def totals(reports: Iterable[Any]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """{folder: [cpu seconds, wall seconds]} and {module: [...]}, from the reports' CPU_SECONDS
-    properties and durations (setup, call and teardown of every test)."""
-    folders: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    modules: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+Table = dict[str, list[float]]
+
+
+def totals(reports: Iterable[Any]) -> tuple[Table, Table, Table]:
+    """{folder: [cpu seconds, wall seconds]}, {module: [...]} and {test: [...]}, from the
+    reports' CPU_SECONDS properties and durations (setup, call and teardown of every test;
+    a module-scoped fixture's start counts to the test that started it)."""
+    folders: Table = defaultdict(lambda: [0.0, 0.0])
+    modules: Table = defaultdict(lambda: [0.0, 0.0])
+    tests: Table = defaultdict(lambda: [0.0, 0.0])
     for report in reports:
         cpu = sum(float(v) for k, v in getattr(report, "user_properties", ()) if k == CPU_SECONDS)
         wall = float(getattr(report, "duration", 0.0) or 0.0)
         if not cpu and not wall:
             continue
         module = report.nodeid.split("::", 1)[0]
-        for table, key in ((folders, folder_of(report.nodeid)), (modules, module)):
+        for table, key in ((folders, folder_of(report.nodeid)), (modules, module), (tests, report.nodeid)):
             table[key][0] += cpu
             table[key][1] += wall
-    return dict(folders), dict(modules)
+    return dict(folders), dict(modules), dict(tests)
 
 
 def summary(reports: Iterable[Any], top: int = 25) -> list[str]:
-    """Lines for the terminal: CPU and wall seconds by folder, then the TOP modules by CPU."""
-    folders, modules = totals(reports)
+    """Lines for the terminal: CPU and wall seconds by folder, then the TOP modules and the
+    TOP tests by CPU."""
+    folders, modules, tests = totals(reports)
     if not any(cpu for cpu, _ in folders.values()):
         return []
     lines = [f"{'cpu s':>8} {'wall s':>8}  folder"]
@@ -118,5 +124,8 @@ def summary(reports: Iterable[Any], top: int = 25) -> list[str]:
     lines.append(f"{sum(c for c, _ in folders.values()):8.0f} {sum(w for _, w in folders.values()):8.0f}  all")
     lines += ["", f"{'cpu s':>8} {'wall s':>8}  module (the {top} that used the most CPU)"]
     for name, (cpu, wall) in sorted(modules.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"{cpu:8.0f} {wall:8.0f}  {name}")
+    lines += ["", f"{'cpu s':>8} {'wall s':>8}  test (the {top} that used the most CPU)"]
+    for name, (cpu, wall) in sorted(tests.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"{cpu:8.0f} {wall:8.0f}  {name}")
     return lines

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lab.gpu_routing_check import cache_aware_variant, hit_rate, routing_decisions
+from lab.gpu_routing_check import PLAN, cache_aware_variant, hit_rate, policy_order, routing_decisions, seed_of
 
 
 def assert_run_follows_from_its_counters(run: dict[str, Any], routed: float) -> float:
@@ -32,3 +32,23 @@ def assert_last_gateway_counted(run_dir: Path, runs: list[dict[str, Any]]) -> No
         for reason, n in x["routing_decisions"].items():
             summed[reason] = summed.get(reason, 0.0) + n
     assert {k: v for k, v in routing_decisions((run_dir / "gateway-metrics.txt").read_text()).items() if v} == summed
+
+
+def assert_planned_runs(res: dict[str, Any], policies: tuple[str, ...], workload: str, concurrency: int,
+                        sent: int) -> None:
+    """Each of RES's runs, one of POLICIES on WORKLOAD at CONCURRENCY, in its round's order
+    with its own seed, served all SENT requests one event per engine step, and its
+    decisions and hit rate follow from its counters."""
+    for x in res["runs"]:
+        assert (x["workload"], x["concurrency"]) == (workload, concurrency)
+        index = policy_order(x["round"], policies).index(x["policy"]) * len(PLAN) + PLAN.index((workload, concurrency))
+        assert x["seed"] == seed_of(x["round"], index)
+        assert x["completed"] == sent and x["failed"] == 0 and 1.0 <= x["tokens_per_event"] <= 1.2
+        assert_run_follows_from_its_counters(x, sent)
+
+
+def assert_last_gateway_counted_its_round(run_dir: Path, res: dict[str, Any]) -> None:
+    """The gateway starts again for each policy of each round: its last /metrics counts the
+    decisions of RES's last run (its policy in its round)."""
+    final = (res["runs"][-1]["policy"], res["runs"][-1]["round"])
+    assert_last_gateway_counted(run_dir, [x for x in res["runs"] if (x["policy"], x["round"]) == final])

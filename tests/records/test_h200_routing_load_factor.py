@@ -37,9 +37,9 @@ from pathlib import Path
 
 import pytest
 
-from lab.gpu_routing_check import PLAN, acceptance, policy_order, ratios, seed_of
+from lab.gpu_routing_check import acceptance, policy_order, ratios
 from tests.harness.paths import FIXTURES, ROOT
-from tests.records._routing import assert_last_gateway_counted, assert_run_follows_from_its_counters
+from tests.records._routing import assert_last_gateway_counted_its_round, assert_planned_runs
 
 HOST = FIXTURES / "gpu" / "h200-580.159.04-real"
 C64 = HOST / "device-run-2026-12-03-routing-c64"
@@ -76,19 +76,11 @@ def test_every_run_in_order_with_its_seed(run: Path):
     policies = POLICIES[run]
     expected = [(r, p) for r in range(2) for p in policy_order(r, policies) if p not in SKIPPED[run]]
     assert [(x["round"], x["policy"]) for x in res["runs"]] == expected
-    for x in res["runs"]:
-        assert (x["workload"], x["concurrency"]) == ("prefix", 64)
-        index = policy_order(x["round"], policies).index(x["policy"]) * len(PLAN) + PLAN.index(("prefix", 64))
-        assert x["seed"] == seed_of(x["round"], index)
-        assert x["completed"] == SENT[run] and x["failed"] == 0 and 1.0 <= x["tokens_per_event"] <= 1.2
-        assert_run_follows_from_its_counters(x, SENT[run])
+    assert_planned_runs(res, policies, "prefix", 64, SENT[run])
 
 
 def test_the_last_gateways_counters_are_its_runs(run: Path):
-    res = _res(run)
-    # The gateway starts again for each policy of each round: its /metrics holds the last run's.
-    final = (res["runs"][-1]["policy"], res["runs"][-1]["round"])
-    assert_last_gateway_counted(run, [x for x in res["runs"] if (x["policy"], x["round"]) == final])
+    assert_last_gateway_counted_its_round(run, _res(run))
 
 
 def test_ratios_and_acceptance_as_measured(run: Path):

@@ -54,15 +54,20 @@ def test_seconds_add_up_by_folder_and_by_module():
         _report("tests/unit/test_c.py::t[x]", 0.5, 0.25),
         _report("tests/unit/test_c.py::t[y]", None, 0.0),  # neither: left out
     ]
-    folders, modules = totals(reports)
+    folders, modules, tests = totals(reports)
     assert folders == {"tests/e2e": [16.5, 15.0], "tests/unit": [0.5, 0.25]}
     assert modules == {"tests/e2e/test_a.py": [15.5, 13.0], "tests/e2e/test_b.py": [1.0, 2.0],
                        "tests/unit/test_c.py": [0.5, 0.25]}
+    assert tests["tests/e2e/test_a.py::t1"] == [10.0, 12.0] and "tests/unit/test_c.py::t[y]" not in tests
     assert folder_of("tests/e2e/test_a.py::t1") == "tests/e2e"
     lines = summary(reports, top=2)
     assert lines[1].split() == ["16", "15", "tests/e2e"]  # the most CPU first
     assert lines[3].split() == ["17", "15", "all"]
-    assert [line.split()[-1] for line in lines[-2:]] == ["tests/e2e/test_a.py", "tests/e2e/test_b.py"]
+    modules_at = lines.index(next(x for x in lines if x.endswith("module (the 2 that used the most CPU)")))
+    assert [line.split()[-1] for line in lines[modules_at + 1:modules_at + 3]] == ["tests/e2e/test_a.py",
+                                                                                 "tests/e2e/test_b.py"]
+    assert lines[-3].endswith("test (the 2 that used the most CPU)")
+    assert [line.split()[-1] for line in lines[-2:]] == ["tests/e2e/test_a.py::t1", "tests/e2e/test_a.py::t2"]
 
 
 def test_nothing_is_printed_without_measurements():
