@@ -20,11 +20,16 @@ vllm:prefix_cache_hits_total / _queries_total), its requests and tokens, the gat
 routing decisions by reason, the client's and each process tree's CPU cores, the GPU's
 utilisation (nvidia-smi). The client runs in this process on the same host.
 
+With --replica-per-gpu (two GPUs) each replica has a GPU of its own, and the policy
+`vllm_dp` in --policies measures the issue's other yardstick on the same GPUs: vLLM's own
+server with `--data-parallel-size 2` (the replicas' engine arguments, started after them,
+so each GPU holds a replica and one of its engines), the client sent to it directly.
+
 Usage: python3 -m lab.gpu_routing_check OUT [--rounds 3] [--budget 840]
 Writes OUT/result.json (every run, the medians of the per-round ratios cache_aware /
-round_robin and cache_aware / least_loaded, the issue's acceptance checks), the servers'
-log tails (serve-replica-a.log, serve-replica-b.log, gateway.log), the gateway's last
-/metrics (gateway-metrics.txt) and nvidia-smi.txt. Its stdout is the log.
+round_robin, / least_loaded and / vllm_dp, the issue's acceptance checks), the servers'
+log tails (serve-replica-a.log, serve-replica-b.log, gateway.log, serve-vllm-dp.log), the
+gateway's last /metrics (gateway-metrics.txt) and nvidia-smi.txt. Its stdout is the log.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ from pathlib import Path
 from typing import Any
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
+# vLLM's own server with --data-parallel-size 2 on the replicas' two GPUs: not a policy of
+# the gateway but a run of its own, measured like one (the client sent to it directly).
+YARDSTICK = "vllm_dp"
 # (workload, concurrency) run by each policy in each round, in this order.
 PLAN: tuple[tuple[str, int], ...] = (("prefix", 64), ("prefix", 256), ("random", 64))
 # The issue's acceptance: cache_aware against BASE on WORKLOAD at CONCURRENCY, medians of
@@ -53,13 +61,21 @@ ACCEPTANCE: tuple[dict[str, Any], ...] = (
     {"workload": "prefix", "concurrency": 256, "base": "round_robin", "max_ttft_p50": 0.5, "min_tps": 1.3},
     {"workload": "random", "concurrency": 64, "base": "least_loaded", "min_tps": 0.97},
 )
+# Where two GPUs are lent (a replica per GPU): ahead of vLLM's own data parallel on the same
+# GPUs, at least as many tokens per second and at most its TTFT p50.
+DP_ACCEPTANCE: tuple[dict[str, Any], ...] = (
+    {"workload": "prefix", "concurrency": 64, "base": YARDSTICK, "max_ttft_p50": 1.0, "min_tps": 1.0},
+    {"workload": "prefix", "concurrency": 256, "base": YARDSTICK, "max_ttft_p50": 1.0, "min_tps": 1.0},
+)
 REPLICA_PORTS = {"replica-a": 18700, "replica-b": 18710}  # HTTP; gRPC + 1, metrics + 2
+YARDSTICK_PORT = 18730
 GATEWAY_PORT = 18720  # metrics on + 1
 STREAMING = {
     "client_to_gateway": "OpenAI SSE (/v1/completions) from llmhost gateway, one event per engine step",
     "gateway_to_replicas": "the gateway reads each replica's engine sockets (one JSON line per engine step, "
                            "written by the engine's loop in the Triton stub); no Triton gRPC stream",
 }
+YARDSTICK_STREAMING = "OpenAI SSE (/v1/completions) from vLLM's own API server, one event per engine step"
 CLIENT = "vllm bench serve (in process, llmhost.bench.vllm_client), one process on the same host's CPUs"
 REPLICA_COUNTERS = {"prefix_hits": "vllm:prefix_cache_hits_total", "prefix_queries": "vllm:prefix_cache_queries_total",
                     "requests": "vllm:request_success_total", "prompt_tokens": "vllm:prompt_tokens_total",
@@ -127,7 +143,8 @@ def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ran = [*POLICIES, *sorted({r["policy"] for r in here} - set(POLICIES))]
         rates = {p: statistics.median(r["fleet_hit_rate"] for r in here if r["policy"] == p)
                  for p in ran if any(r["policy"] == p and r["fleet_hit_rate"] is not None for r in here)}
-        for policy, base in ((p, b) for p in ran if cache_aware_variant(p) for b in ("round_robin", "least_loaded")):
+        for policy, base in ((p, b) for p in ran if cache_aware_variant(p)
+                             for b in ("round_robin", "least_loaded", YARDSTICK)):
             pairs = [(a, b) for a in here for b in here
                      if a["policy"] == policy and b["policy"] == base and a["round"] == b["round"]]
             if not pairs:
@@ -149,9 +166,10 @@ def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def acceptance(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each ACCEPTANCE check with the measured medians and whether it held (None: not run)."""
+    """Each ACCEPTANCE check (and DP_ACCEPTANCE's, where vLLM's data parallel ran) with the
+    measured medians and whether it held (None: not run)."""
     out = []
-    for goal in ACCEPTANCE:
+    for goal in (*ACCEPTANCE, *(DP_ACCEPTANCE if any(r["base"] == YARDSTICK for r in rows) else ())):
         row = next((r for r in rows if r["workload"] == goal["workload"] and r["concurrency"] == goal["concurrency"]
                     and r["policy"] == "cache_aware" and r["base"] == goal["base"]), None)
         held: bool | None = None
@@ -175,9 +193,9 @@ def scrape(url: str, timeout: float = 10) -> str:
         return str(r.read().decode(errors="replace"))
 
 
-def _servers() -> tuple[type, type]:
-    """Replica and RoutingGateway, built on lab.gpucheck.speed's Server (imported here so
-    that the pure helpers above import nothing of the GPU run)."""
+def _servers() -> tuple[type, type, type]:
+    """Replica, RoutingGateway and DataParallelVllm, built on lab.gpucheck.speed's Server
+    (imported here so that the pure helpers above import nothing of the GPU run)."""
     from lab.gpucheck.speed import GATEWAY_KEY, NAME, Server, get
 
     class Replica(Server):
@@ -240,7 +258,32 @@ def _servers() -> tuple[type, type]:
             write_bench_key(self.keys_file, GATEWAY_KEY)
             return float(super().start(timeout_s))
 
-    return Replica, RoutingGateway
+    class DataParallelVllm(Server):
+        """vLLM's own server, `--data-parallel-size SIZE`, with the replicas' engine arguments."""
+
+        def __init__(self, model: Path, work: Path, env: dict[str, str], engine: dict[str, Any], size: int) -> None:
+            super().__init__("vllm", model, work, work / "serve-vllm-dp.log", engine, env)
+            self.size = size
+
+        @property
+        def port(self) -> int:
+            return YARDSTICK_PORT
+
+        def command(self) -> list[str]:
+            return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+                    "--host", "127.0.0.1", "--port", str(self.port), "--data-parallel-size", str(self.size),
+                    *vllm_flags(self.engine)]
+
+    return Replica, RoutingGateway, DataParallelVllm
+
+
+def vllm_flags(engine: dict[str, Any]) -> list[str]:
+    """ENGINE's arguments as vLLM's command line flags (a boolean as --x or --no-x)."""
+    out: list[str] = []
+    for key, value in engine.items():
+        flag = key.replace("_", "-")
+        out += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
+    return out
 
 
 def seed_check(tokenizer: str) -> dict[str, Any]:
@@ -292,11 +335,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="run only these entries of PLAN (repeatable; each keeps its seed)")
     ap.add_argument("--skip", action="append", default=[], metavar="POLICY:WORKLOAD",
                     help="runs left out, e.g. least_loaded:prefix (repeatable)")
+    ap.add_argument("--replica-per-gpu", action="store_true",
+                    help="each replica on a GPU of its own (GPUs 0 and 1) instead of both on GPU 0")
     ap.add_argument("--work", type=Path, default=Path("/tmp/routing-work"))
     args = ap.parse_args(argv)
     policies = tuple(args.policies.split(","))
-    if not all(p in POLICIES or cache_aware_variant(p) for p in policies):
-        ap.error(f"--policies: {args.policies!r}: each one of {', '.join(POLICIES)} or cache_aware@F")
+    if not all(p in POLICIES or p == YARDSTICK or cache_aware_variant(p) for p in policies):
+        ap.error(f"--policies: {args.policies!r}: each one of {', '.join(POLICIES)}, {YARDSTICK} or cache_aware@F")
+    if YARDSTICK in policies and not args.replica_per_gpu:
+        ap.error(f"--policies: {YARDSTICK} runs vLLM's data parallel on the replicas' two GPUs: "
+                 "it needs --replica-per-gpu")
     only = {(w, int(c)) for w, c in (x.split(":", 1) for x in args.only)} or set(PLAN)
     if not only <= set(PLAN):
         ap.error(f"--only: not in the plan: {sorted(only - set(PLAN))}")
@@ -315,8 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     from llmhost.gateway.workers import worker_count
 
     (out / "nvidia-smi.txt").write_text(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout)
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip()
+    gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout.strip().splitlines()
+    gpu = gpus[0] if gpus else ""
+    used_gpus = 2 if args.replica_per_gpu else 1
+    if len(gpus) < used_gpus:
+        ap.error(f"--replica-per-gpu needs two GPUs; nvidia-smi lists {len(gpus)}")
     engine: dict[str, Any] = {"served_model_name": NAME, "max_model_len": args.max_model_len,
                               "gpu_memory_utilization": args.gpu_memory_utilization, "enable_prefix_caching": True}
     if args.kv_cache_gib:
@@ -333,8 +385,14 @@ def main(argv: list[str] | None = None) -> int:
                            "default_policy": routing.DEFAULT_POLICY, "prefix_chars": routing.DEFAULT_PREFIX_CHARS,
                            "load_factor": routing.DEFAULT_LOAD_FACTOR},
         "model_shape": args.model_shape,
-        "replicas": {"count": 2, "on": "one GPU, two llmhost serve --device gpu servers started one after the other",
+        "gpus": gpus[:used_gpus],
+        "replicas": {"count": 2, "on": "a GPU each (0 and 1), two llmhost serve --device gpu servers"
+                     if args.replica_per_gpu else
+                     "one GPU, two llmhost serve --device gpu servers started one after the other",
                      "engine_args": engine},
+        **({"yardstick": {"policy": YARDSTICK, "server": "vllm serve --data-parallel-size 2 on GPUs 0 and 1, "
+                          "the replicas' engine arguments, started after them", "streaming": YARDSTICK_STREAMING}}
+           if YARDSTICK in policies else {}),
         "gateway": {"workers": worker_count(0), "max_concurrent_upstream": 1024,
                     "restarted_per_policy": True},
         "streaming": STREAMING,
@@ -354,12 +412,15 @@ def main(argv: list[str] | None = None) -> int:
         res["seconds"] = round(time.monotonic() - t_start, 1)
         (out / "result.json").write_text(json.dumps(res, indent=1) + "\n")
 
-    replica_cls, gateway_cls = _servers()
+    replica_cls, gateway_cls, yardstick_cls = _servers()
     model = Path(f"/tmp/lh-{args.model_shape}")
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                VLLM_CACHE_ROOT=str(args.work / "vllm-cache"), PYTHONUNBUFFERED="1")
-    replicas = [replica_cls(side, model, args.work, args.work / f"serve-{side}.log", engine, env,
-                            ["stream_interval_ms=0"]) for side in REPLICA_PORTS]
+    replicas = [replica_cls(side, model, args.work, args.work / f"serve-{side}.log", engine,
+                            {**env, "CUDA_VISIBLE_DEVICES": str(i if args.replica_per_gpu else 0)},
+                            ["stream_interval_ms=0"]) for i, side in enumerate(REPLICA_PORTS)]
+    yardstick = (yardstick_cls(model, args.work, {**env, "CUDA_VISIBLE_DEVICES": "0,1"}, engine, 2)
+                 if YARDSTICK in policies else None)
     gateway: Any = None
     gpu_use: Any = None
     stopping = threading.Lock()
@@ -367,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     def stop_all() -> None:
         if not stopping.acquire(blocking=False):
             return
-        for s in [gateway, *replicas]:
+        for s in [gateway, yardstick, *replicas]:
             if s is not None:
                 try:
                     s.stop()
@@ -375,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"stopping {s.side}: {exc}")
         if gpu_use is not None:
             gpu_use.close()
-        for name in ("serve-replica-a.log", "serve-replica-b.log", "gateway.log"):
+        for name in ("serve-replica-a.log", "serve-replica-b.log", "gateway.log", "serve-vllm-dp.log"):
             tail(args.work / name, out / name)
 
     def abort() -> None:
@@ -406,20 +467,25 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure(policy: str, workload: str, c: int, rnd: int | None, seed: int, requests: int,
                 output_len: int) -> dict[str, Any]:
-        before = {r.side: counters(r) for r in replicas}
-        routed0 = routing_decisions(scrape(gateway.metrics_url))
-        procs = {"gateway": gateway, **{r.side: r for r in replicas}}
+        # The gateway in front of the replicas, or (YARDSTICK) vLLM's data parallel server alone.
+        front, fleet = ((yardstick, {"vllm-dp": yardstick}) if policy == YARDSTICK
+                        else (gateway, {r.side: r for r in replicas}))
+        before = {side: counters(r) for side, r in fleet.items()}
+        routed0 = routing_decisions(scrape(gateway.metrics_url)) if front is gateway else {}
+        procs = {"gateway" if front is gateway else YARDSTICK: front, **({} if front is yardstick else fleet)}
         cpu0 = {k: tree_cpu_s(p) for k, p in procs.items()}
         shared = {"shared_prefixes": args.num_prefixes, "prefix_len": args.prefix_len} if workload == "prefix" else {}
-        argv_ = client_argv(gateway.url, NAME, str(model), c, requests,
+        argv_ = client_argv(front.url, NAME, str(model), c, requests,
                             args.suffix_len if workload == "prefix" else input_len, output_len, seed=seed, **shared)
         ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
         result = run_level(argv_, GATEWAY_KEY)
         ru1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.time()
-        after = {r.side: counters(r) for r in replicas}
-        gw_text = scrape(gateway.metrics_url)
-        (out / "gateway-metrics.txt").write_text(gw_text)
-        routed1 = routing_decisions(gw_text)
+        after = {side: counters(r) for side, r in fleet.items()}
+        routed1: dict[str, float] = {}
+        if front is gateway:
+            gw_text = scrape(gateway.metrics_url)
+            (out / "gateway-metrics.txt").write_text(gw_text)
+            routed1 = routing_decisions(gw_text)
         level = summarize(c, result).__dict__
         wall = max(t1 - t0, 1e-9)
         delta = {side: {k: after[side][k] - before[side][k] for k in REPLICA_COUNTERS} for side in after}
@@ -429,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             policy=policy, workload=workload, round=rnd, seed=seed, requests=requests, output_len=output_len,
             total_input_tokens=result.get("total_input", result.get("total_input_tokens")),
             started=round(t0, 2), wall_s=round(wall, 1), gpu_util_pct=gpu_use.mean(0, t0, t1),
+            **({"gpu_util_pct_each": [gpu_use.mean(i, t0, t1) for i in range(used_gpus)]} if used_gpus > 1 else {}),
             client_cpu_cores=round((ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime) / wall, 2),
             server_cpu_cores={k: round((tree_cpu_s(p) - cpu0[k]) / wall, 2) for k, p in procs.items()},
             replicas={side: {**{k: round(v, 1) for k, v in d.items()},
@@ -450,6 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in replicas:  # one after the other: on one GPU vLLM takes its memory share in turn
             r.start(timeout_s=420)
         res["replica_ready_s"] = {r.side: r.ready_s for r in replicas}
+        if yardstick is not None:  # after the replicas: each GPU then holds a replica and one of its engines
+            res["yardstick_ready_s"] = yardstick.start(timeout_s=420)
+            for c in sorted({c for _, c in only}):
+                w = measure(YARDSTICK, "random", c, None, 7 + c, c, 16)
+                log(f"warm-up {YARDSTICK} c={c}: {w['output_tokens_per_s']:.0f} tok/s, failed {w['failed']}")
         start_gateway("least_loaded")
         # Warm-up, not recorded: the run's prompt length at both levels' batch sizes.
         for c in sorted({c for _, c in only}):
@@ -471,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not todo:  # nothing to measure: no gateway start either
                     index += len(PLAN)
                     continue
-                start_gateway(policy)
+                if policy != YARDSTICK:  # vLLM's data parallel server is up from the start, no gateway
+                    start_gateway(policy)
                 res["order"].append(f"round {rnd + 1}: {policy}")
                 for workload, c in PLAN:
                     seed = seed_of(rnd, index)
