@@ -394,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                           "the replicas' engine arguments, started after them", "streaming": YARDSTICK_STREAMING}}
            if YARDSTICK in policies else {}),
         "gateway": {"workers": worker_count(0), "max_concurrent_upstream": 1024,
-                    "restarted_per_policy": True},
+                    "restarted_per_policy": True,
+                    "loads_weighed": "requests in flight over every worker (llmhost.gateway.routing.inflight)"
+                    if worker_count(0) > 1 else "requests in flight of the one process"},
         "streaming": STREAMING,
         "workload": {"client": CLIENT, "plan": [list(p) for p in PLAN], "ignore_eos": True,
                      "output_len": args.output_len,

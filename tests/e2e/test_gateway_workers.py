@@ -1,7 +1,7 @@
 """The gateway as several worker processes on one port (``--workers``), in front of the
 real stack: what one worker decides holds for all (a key's concurrent requests, an
-operator's hold), a killed worker is replaced, the metrics add every worker up, and
-SIGTERM ends them all."""
+operator's hold, the requests in flight that routing weighs), a killed worker is
+replaced, the metrics add every worker up, and SIGTERM ends them all."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmhost.gateway.keys import hash_key
+from llmhost.gateway.routing.inflight import counts_by_row, upstream_load_name
+from llmhost.gateway.workers import WORKER_ENV, WorkerPlace, in_flight_table
 from tests.harness.gateway import KEY, Gateway, start_gateway, stop_gateway
 from tests.harness.net import CLIENT_TIMEOUT_S, free_port
 
@@ -121,6 +123,85 @@ def test_a_hold_reaches_every_worker(gateway, server):
         returned = _admin(gateway, f"/admin/upstreams/{target}/return", "POST")
     assert returned["upstreams"][0]["held"] is False
     assert {_chat(gateway, server.name)[0] for _ in range(8)} == {200}
+
+
+def _places(gateway: Gateway) -> dict[int, WorkerPlace]:
+    """Each worker's pid and its place (index, supervisor's control socket), from its environment."""
+    return {pid: WorkerPlace.parse(psutil.Process(pid).environ()[WORKER_ENV]) for pid in _workers(gateway)}
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline()) or p.name()
+    except psutil.NoSuchProcess:
+        return ""
+
+
+def _rows(table: Path, target: str) -> list[int]:
+    return counts_by_row(table, upstream_load_name(target))
+
+
+def test_every_workers_requests_in_flight_are_counted_for_all_and_a_dead_ones_cleared(gateway, server):
+    places = _places(gateway)
+    table = in_flight_table(next(iter(places.values())).control)
+    assert _rows(table, server.grpc) == [0] * WORKERS
+    # Six long streams, each on a connection of its own (the kernel spreads them over the
+    # workers): every one counts in its worker's row, which every worker reads.
+    first_event = [threading.Event() for _ in range(6)]
+    ended: list[tuple[int, Exception | None]] = []
+
+    def stream(i: int) -> None:
+        body = {"model": server.name, "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {KEY}"},
+                              timeout=CLIENT_TIMEOUT_S) as c, c.stream("POST", "/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        first_event[i].set()
+            ended.append((i, None))
+        except httpx.HTTPError as exc:  # the stream of the worker killed below
+            ended.append((i, exc))
+        finally:
+            first_event[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    engine = [p for p in server.descendants() if "EngineCore" in _name(p)]
+    assert engine, [_name(p) for p in server.descendants()]
+    try:
+        for event in first_event:
+            assert event.wait(CLIENT_TIMEOUT_S), gateway.log.read_text()
+        for p in engine:  # the streams stay in flight, however fast the engine, until it goes on
+            p.send_signal(signal.SIGSTOP)
+        rows = _rows(table, server.grpc)
+        assert sum(rows) == 6 and not ended, (rows, ended)
+        # The worker with the most of them dies: the supervisor zeroes its row before its
+        # successor starts (a second later), so the others stop counting its requests.
+        victim_index = max(range(WORKERS), key=lambda i: rows[i])
+        victim = next(pid for pid, place in places.items() if place.index == victim_index)
+        psutil.Process(victim).send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while f"(pid {victim}) ended with -9" not in gateway.log.read_text():
+            assert time.monotonic() < deadline, gateway.log.read_text()
+            time.sleep(0.05)
+        after = _rows(table, server.grpc)
+        assert after[victim_index] == 0 and sum(after) == 6 - rows[victim_index], (rows, after)
+    finally:
+        for p in engine:
+            p.send_signal(signal.SIGCONT)
+        for t in threads:
+            t.join()
+    # The dead worker's streams broke; the others ran to their end.
+    assert len(ended) == 6 and sum(1 for _, exc in ended if exc is not None) == rows[victim_index], ended
+    deadline = time.monotonic() + 30
+    while sum(_rows(table, server.grpc)):  # every request's end counted
+        assert time.monotonic() < deadline, _rows(table, server.grpc)
+        time.sleep(0.1)
+    deadline = time.monotonic() + 30
+    while len(_workers(gateway)) < WORKERS:
+        assert time.monotonic() < deadline, gateway.log.read_text()
+        time.sleep(0.2)
 
 
 def _requests_total(gateway: Gateway, key: str) -> float:

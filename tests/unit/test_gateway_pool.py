@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from llmhost.gateway.config import GatewayConfig
+from llmhost.gateway.routing.inflight import upstream_load_name
 from llmhost.gateway.routing.pool import PoolSettings, UpstreamPool
 from llmhost.gateway.upstreams.client import Piece, UpstreamDown
 from llmhost.gateway.upstreams.request import BackendRequest
@@ -369,7 +370,7 @@ def test_a_request_the_stub_missed_is_tried_on_another_upstream_and_nobody_is_ta
     a, b = FailsOnce("a", fail=STUB_MISSED), Fake("b")
     lines: list[str] = []
     pool = UpstreamPool([("a:1", a), ("b:1", b)], ["m"], PoolSettings(), log=lines.append)
-    pool.members[1].outstanding = 1  # a is picked first
+    pool.in_flight.add(upstream_load_name("b:1"), 1)  # a is picked first
 
     async def run() -> None:
         async with client(_app(pool)) as c:
@@ -428,9 +429,9 @@ def test_each_change_of_an_upstreams_state_is_logged_with_why():
     async def run() -> None:
         async with client(_app(pool)) as c:
             await pool.check()
-            pool.members[0].outstanding = 1  # b is picked first, and says it is stopping
+            pool.in_flight.add(upstream_load_name("a:1"), 1)  # b is picked first, and says it is stopping
             assert _text(await c.post("/v1/chat/completions", content=chat())) == "hello from a!"
-            pool.members[0].outstanding = 0
+            pool.in_flight.add(upstream_load_name("a:1"), -1)
             a.reachable = False
             await pool.check()  # a: one failure of two; b: one pass of two
             await pool.check()

@@ -17,6 +17,7 @@ import pytest
 from llmhost.gateway.cli import build_parser, settings
 from llmhost.gateway.config import ConfigError, GatewayConfig, parse_config
 from llmhost.gateway.metrics import GatewayMetrics
+from llmhost.gateway.routing.inflight import socket_load_name
 from llmhost.gateway.routing.policies import (
     CACHE_AWARE,
     LEAST_LOADED,
@@ -184,7 +185,8 @@ def test_an_upstream_picks_the_engine_socket_of_the_requests_key(tmp_path: Path)
     key = keys[0]
     home = upstream.engine_socket("m", Route(CACHE_AWARE, key))
     assert home is not None
-    with upstream._counted(home), upstream._counted(home), upstream._counted(home):
+    busy = socket_load_name(home)
+    with upstream.in_flight.holding(busy), upstream.in_flight.holding(busy), upstream.in_flight.holding(busy):
         route = Route(CACHE_AWARE, key)
         other = upstream.engine_socket("m", route)
         assert other is not None and other != home and route.reason == "load_bound"

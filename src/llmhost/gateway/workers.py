@@ -15,6 +15,9 @@ process may run on, at most 8), ``llmhost gateway`` is a supervisor:
   and a worker that dies gives its requests' slots back), and the upstreams an operator
   holds out (the admin API's hold and return reach every worker, and its list adds up
   every worker's requests in flight).
+- It creates the table where every worker counts its requests in flight per upstream and
+  engine socket (``llmhost.gateway.routing.inflight``), so that each worker routes by the
+  host's load rather than its own share of it; a worker's row is zeroed when it ends.
 - It serves /metrics: the workers' counters and histograms (prometheus_client's
   multiprocess mode) and the upstream gauges, every worker's view combined (``up`` and
   ``state`` as the share of workers that see the upstream so, requests in flight summed).
@@ -49,8 +52,11 @@ from llmhost.gateway.config import GatewayConfig
 from llmhost.gateway.errors import ApiError
 from llmhost.gateway.keys import ApiKey
 from llmhost.gateway.limits import KeyLimiter, Lease, RateLimited
+from llmhost.gateway.routing.inflight import SharedInFlight, clear_row, create_table
 from llmhost.gateway.routing.pool import DRAINING, IN_SERVICE, OUT, STATES, UpstreamPool
 
+# The requests in flight of every worker (routing.inflight), in the supervisor's folder.
+IN_FLIGHT_TABLE = "in-flight"
 # Set in a worker's environment: "INDEX COUNT FD CONTROL_SOCKET".
 WORKER_ENV = "LLMHOST_GATEWAY_WORKER"
 CORES_PER_WORKER = 4
@@ -370,8 +376,26 @@ def worker_handler(pool: UpstreamPool) -> Handler:
     return handle
 
 
+def in_flight_table(control: Path | str) -> Path:
+    """The table of requests in flight, in the supervisor's folder beside its control socket."""
+    return Path(control).parent / IN_FLIGHT_TABLE
+
+
+def share_in_flight(place: WorkerPlace, pool: UpstreamPool) -> SharedInFlight:
+    """Route by the requests in flight of every worker: POOL's upstreams and their engine
+    sockets counted in the supervisor's table, this worker's in its row."""
+    shared = SharedInFlight(in_flight_table(place.control), place.index)
+    pool.in_flight = shared
+    for member in pool.members:
+        if hasattr(member.client, "in_flight"):
+            member.client.in_flight = shared
+    return shared
+
+
 async def join(place: WorkerPlace, pool: UpstreamPool) -> SharedState:
-    """Connect to the supervisor as worker PLACE; the upstreams it holds are held here too."""
+    """Connect to the supervisor as worker PLACE, counting requests in flight in its table;
+    the upstreams it holds are held here too."""
+    share_in_flight(place, pool)
     reader, writer = await asyncio.open_unix_connection(place.control)
     channel = Channel(reader, writer, worker_handler(pool))
     reading = asyncio.ensure_future(channel.run())
@@ -421,6 +445,7 @@ class Workers:
             self.procs[index] = proc
             code = await proc.wait()
             multiprocess.mark_process_dead(proc.pid, str(self.metrics_dir))
+            clear_row(in_flight_table(self.control), index)  # its requests ended with it
             if self.stopping.is_set():
                 return
             if time.monotonic() - started > STEADY_S:
@@ -456,6 +481,7 @@ async def supervise(config: GatewayConfig, keys: list[ApiKey], argv: list[str], 
     with _workdir() as work:
         control, metrics_dir = work / "control.sock", work / "metrics"
         metrics_dir.mkdir()
+        create_table(in_flight_table(control), len(sockets))
         state = Supervisor(config, keys)
         server = await asyncio.start_unix_server(state.connected, path=str(control))
         os.chmod(control, 0o600)

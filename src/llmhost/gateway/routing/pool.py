@@ -10,6 +10,9 @@
   with room, one by the model's routing policy (``llmhost.gateway.routing.policies``: by the
   request's prompt prefix with a load bound, the least outstanding, or in turn); an
   upstream of this host then picks one of the model's engine sockets the same way.
+  The policies weigh requests in flight counted over every worker of this gateway
+  (``llmhost.gateway.routing.inflight``); the ``max_concurrent`` bound counts this
+  worker's own.
   When none is in service for the model, it
   still tries those not known to be draining or unreachable whose last answer had the
   model ready (a panic mode, as Envoy's panic threshold), rather than refuse every
@@ -52,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from llmhost.gateway.errors import ApiError, unavailable
+from llmhost.gateway.routing.inflight import InFlight, upstream_load_name
 from llmhost.gateway.routing.policies import Chooser, Route
 from llmhost.gateway.upstreams.client import Draining, NotStarted, UpstreamDown
 
@@ -137,6 +141,8 @@ class UpstreamPool:
         self.panic_routed = 0  # requests sent to an upstream out of service, none being in service
         self.log = log
         self.chooser = Chooser()
+        # What the policies weigh: requests in flight per upstream (every worker's, where shared).
+        self.in_flight = InFlight()
         # Sees (model, reason) of each routed request once it ends (the gateway's metrics).
         self.on_route: Callable[[str, str], None] | None = None
         self._changed = asyncio.Condition()
@@ -314,7 +320,8 @@ class UpstreamPool:
         ready = [m for m in self._candidates(model, exclude) if m.outstanding < self.settings.max_concurrent]
         if not ready:
             return None
-        return self.chooser.choose(route, model, ready, lambda m: m.target, lambda m: m.outstanding)
+        return self.chooser.choose(route, model, ready, lambda m: m.target,
+                                   lambda m: self.in_flight.count(upstream_load_name(m.target)))
 
     async def acquire(self, model: str, exclude: set[str] | frozenset[str] = frozenset(),
                       route: Route | None = None) -> Member:
@@ -332,6 +339,7 @@ class UpstreamPool:
                                   "shortly", "queue_full", 1)
             member = await self._wait(model, exclude, route)
         member.outstanding += 1
+        self.in_flight.add(upstream_load_name(member.target), 1)
         if not member.in_service:
             self.panic_routed += 1
         return member
@@ -358,6 +366,7 @@ class UpstreamPool:
 
     async def release(self, member: Member) -> None:
         member.outstanding -= 1
+        self.in_flight.add(upstream_load_name(member.target), -1)
         await self._notify()
 
     async def stream(self, model: str, open_call: Callable[[Any], AsyncIterator[T]],

@@ -28,7 +28,7 @@ import os
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from llmhost.gateway.errors import ApiError, invalid
+from llmhost.gateway.routing.inflight import InFlight, socket_load_name
 from llmhost.gateway.routing.policies import ROUND_ROBIN, Chooser, Route
 from llmhost.gateway.upstreams.request import BackendRequest
 
@@ -272,8 +273,8 @@ class Upstream:
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._chooser = Chooser()
-        # Requests in flight on each engine socket (by its name), for the routing policies.
-        self._socket_load: dict[str, int] = {}
+        # Requests in flight per engine socket (every worker's, where the gateway shares them).
+        self.in_flight = InFlight()
 
     def _get_stub(self) -> Any:
         if self._stub is None:
@@ -350,16 +351,7 @@ class Upstream:
         if not found:
             return None
         return self._chooser.choose(route or Route(ROUND_ROBIN), model, found, lambda p: p.name,
-                                    lambda p: self._socket_load.get(p.name, 0))
-
-    @contextlib.contextmanager
-    def _counted(self, path: Path) -> Iterator[None]:
-        """PATH has one more request in flight for the duration."""
-        self._socket_load[path.name] = self._socket_load.get(path.name, 0) + 1
-        try:
-            yield
-        finally:
-            self._socket_load[path.name] -= 1
+                                    lambda p: self.in_flight.count(socket_load_name(p)))
 
     async def generate(self, req: BackendRequest) -> AsyncIterator[Piece]:
         """The backend's responses for one request. Leaving the iteration early
@@ -367,7 +359,7 @@ class Upstream:
         path = self.engine_socket(req.model, req.route)
         if path is not None:
             try:
-                with self._counted(path):
+                with self.in_flight.holding(socket_load_name(path)):
                     async for outputs, final in self.socket_lines(path, req.model,
                                                                   socket_request(req, uuid.uuid4().hex)):
                         yield socket_piece(outputs, final)
@@ -391,7 +383,7 @@ class Upstream:
             version = path.name.partition("-")[0]
             data = json.dumps(line, separators=(",", ":")).encode("utf-8", "surrogatepass") + b"\n"
             try:
-                with self._counted(path):
+                with self.in_flight.holding(socket_load_name(path)):
                     async for outputs, _ in self.socket_lines(path, model, data):
                         yield version, outputs
                 return
