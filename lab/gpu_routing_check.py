@@ -15,7 +15,7 @@ policy (in turn; the order reversed every other round) runs every workload of PL
 
 --output-len tokens out, --ignore-eos, max(256, 4 x concurrency) requests, a seed of its
 own per run (so no run finds the prompts of an earlier one in the prefix caches). Per run:
-vLLM's numbers, each replica's prefix-cache hits and queries (Triton's metrics port:
+vLLM's numbers (and the TTFTs' deciles), each replica's prefix-cache hits and queries (Triton's metrics port:
 vllm:prefix_cache_hits_total / _queries_total), its requests and tokens, the gateway's
 routing decisions by reason, the client's and each process tree's CPU cores, the GPU's
 utilisation (nvidia-smi). The client runs in this process on the same host.
@@ -130,6 +130,19 @@ def routing_decisions(text: str) -> dict[str, float]:
 
 def hit_rate(hits: float, queries: float) -> float | None:
     return round(hits / queries, 4) if queries else None
+
+
+def ttft_spread(result: dict[str, Any]) -> dict[str, Any]:
+    """The run's TTFTs (vLLM's client with --save-detailed: ``ttfts``, seconds, one per request
+    in the order sent) as deciles in ms, and the median of each half of the requests sent:
+    where a median sits between a fast and a slow group, and whether the start differs."""
+    ttfts = [1000 * t for t in result.get("ttfts") or [] if t]
+    if len(ttfts) < 10:
+        return {}
+    half = len(ttfts) // 2
+    return {"ttft_ms_deciles": [round(q, 1) for q in statistics.quantiles(ttfts, n=10)],
+            "ttft_ms_median_by_half": [round(statistics.median(ttfts[:half]), 1),
+                                       round(statistics.median(ttfts[half:]), 1)]}
 
 
 def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -504,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                              "hit_rate": hit_rate(d["prefix_hits"], d["prefix_queries"]),
                              "ttft_mean_ms": round(1000 * d["ttft_sum_s"] / d["ttft_count"], 1)
                              if d["ttft_count"] else None} for side, d in delta.items()},
-            fleet_hit_rate=hit_rate(hits, queries),
+            fleet_hit_rate=hit_rate(hits, queries), **ttft_spread(result),
             routing_decisions={k: round(v - routed0.get(k, 0.0), 1) for k, v in routed1.items()
                                if v - routed0.get(k, 0.0)})
         return level

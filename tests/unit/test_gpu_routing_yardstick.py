@@ -8,7 +8,16 @@ import copy
 
 import pytest
 
-from lab.gpu_routing_check import ACCEPTANCE, DP_ACCEPTANCE, YARDSTICK, acceptance, main, ratios, vllm_flags
+from lab.gpu_routing_check import (
+    ACCEPTANCE,
+    DP_ACCEPTANCE,
+    YARDSTICK,
+    acceptance,
+    main,
+    ratios,
+    ttft_spread,
+    vllm_flags,
+)
 
 
 def _run(policy: str, rnd: int, tps: float, ttft: float, c: int = 64) -> dict:
@@ -59,3 +68,13 @@ def test_bad_policies_are_refused_before_anything_starts(tmp_path, capsys, argv:
         main([str(tmp_path / "out"), *argv])
     assert exited.value.code == 2 and needle in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_runs_ttfts_are_kept_as_deciles_and_the_median_of_each_half():
+    # A slow first half (a cold start) and a fast second half: the overall median hides it.
+    result = {"ttfts": [1.0] * 10 + [0.1] * 10}
+    spread = ttft_spread(result)
+    assert spread["ttft_ms_median_by_half"] == [1000.0, 100.0]
+    deciles = spread["ttft_ms_deciles"]
+    assert len(deciles) == 9 and deciles[0] == 100.0 and deciles[-1] == 1000.0
+    assert ttft_spread({"ttfts": [0.1] * 5}) == {} and ttft_spread({}) == {}
