@@ -55,8 +55,13 @@ def socket_load_name(path: Path) -> str:
     return "socket\0" + str(path)
 
 
+def _row_start(row: int) -> int:
+    """Where ROW begins in the table, in words (so ``_row_start(1)`` is a row's length)."""
+    return row * SLOTS * _PAIR
+
+
 def table_bytes(rows: int) -> int:
-    return rows * SLOTS * _PAIR * _WORD
+    return _row_start(rows) * _WORD
 
 
 def create_table(path: Path, rows: int) -> None:
@@ -71,8 +76,8 @@ def create_table(path: Path, rows: int) -> None:
 def clear_row(path: Path, row: int) -> None:
     """Zero ROW of the table at PATH: the worker that wrote it has ended."""
     with open(path, "r+b") as f:
-        f.seek(row * SLOTS * _PAIR * _WORD)
-        f.write(bytes(SLOTS * _PAIR * _WORD))
+        f.seek(_row_start(row) * _WORD)
+        f.write(bytes(_row_start(1) * _WORD))
 
 
 def _find(words: ctypes.Array[ctypes.c_int64], base: int, key: int) -> int | None:
@@ -91,11 +96,10 @@ def counts_by_row(path: Path, name: str) -> list[int]:
     data = path.read_bytes()
     words = (ctypes.c_int64 * (len(data) // _WORD)).from_buffer_copy(data)
     key = name_hash(name)
-    rows = len(data) // (SLOTS * _PAIR * _WORD)
     out = []
-    for row in range(rows):
-        slot = _find(words, row * SLOTS * _PAIR, key)
-        out.append(0 if slot is None else words[row * SLOTS * _PAIR + slot * _PAIR + 1])
+    for row in range(len(data) // table_bytes(1)):
+        slot = _find(words, _row_start(row), key)
+        out.append(0 if slot is None else words[_row_start(row) + slot * _PAIR + 1])
     return out
 
 
@@ -129,7 +133,7 @@ class SharedInFlight(InFlight):
     def __init__(self, path: Path, row: int) -> None:
         super().__init__()
         size = os.path.getsize(path)
-        self.rows = size // (SLOTS * _PAIR * _WORD)
+        self.rows = size // table_bytes(1)
         if size != table_bytes(self.rows) or not 0 <= row < self.rows:
             raise ValueError(f"{path}: not a table with a row {row} ({size} bytes)")
         self.row = row
@@ -138,12 +142,9 @@ class SharedInFlight(InFlight):
         self._words = (ctypes.c_int64 * (size // _WORD)).from_buffer(self._map)
         self._slot: dict[str, int] = {}  # name -> its slot in this process's row
         self._seen: dict[tuple[int, int], int] = {}  # (row, name hash) -> the slot it was last found in
-        base = self._base(row)
-        for i in range(SLOTS * _PAIR):  # what a predecessor in this row left
+        base = _row_start(row)
+        for i in range(_row_start(1)):  # what a predecessor in this row left
             self._words[base + i] = 0
-
-    def _base(self, row: int) -> int:
-        return row * SLOTS * _PAIR
 
     def _own_slot(self, name: str) -> int | None:
         """NAME's slot in this process's row: the next unused one (a row fills from its
@@ -152,7 +153,7 @@ class SharedInFlight(InFlight):
         slot = self._slot.get(name)
         if slot is not None:
             return slot
-        base, words = self._base(self.row), self._words
+        base, words = _row_start(self.row), self._words
         if len(self._slot) < SLOTS:
             slot = len(self._slot)
         else:
@@ -169,7 +170,7 @@ class SharedInFlight(InFlight):
         super().add(name, delta)
         slot = self._own_slot(name)
         if slot is not None:
-            self._words[self._base(self.row) + slot * _PAIR + 1] = self._own[name]
+            self._words[_row_start(self.row) + slot * _PAIR + 1] = self._own[name]
 
     def count(self, name: str) -> int:
         total = self._own.get(name, 0)
@@ -177,7 +178,7 @@ class SharedInFlight(InFlight):
         for row in range(self.rows):
             if row == self.row:
                 continue
-            base = self._base(row)
+            base = _row_start(row)
             slot = self._seen.get((row, key))
             if slot is None or words[base + slot * _PAIR] != key:
                 slot = _find(words, base, key)
