@@ -25,7 +25,7 @@ import requests
 
 from llmhost.smoke import parse_sse
 from tests.harness.repository import leftover_segments, mapped_segments
-from tests.harness.server import READY_TIMEOUT_S, Server, start_server, wait_gone
+from tests.harness.server import READY_TIMEOUT_S, Server, process_name, start_server, wait_gone
 
 # Bounds that tell an answer from a hang; not speed targets.
 NOTICE_BOUND_S = 60
@@ -103,13 +103,6 @@ def _generation(srv: Server) -> list[psutil.Process]:
     return [p for p in srv.descendants() if p.is_running()]
 
 
-def _name(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline()) or p.name()
-    except psutil.NoSuchProcess:
-        return "?"
-
-
 def _serves_again(srv: Server, old: list[psutil.Process]) -> float:
     """Wait until serve's new tritonserver is ready and answers, with no process of the
     OLD generation left; returns when it was first ready (time.monotonic())."""
@@ -123,7 +116,7 @@ def _serves_again(srv: Server, old: list[psutil.Process]) -> float:
                       timeout=REQUEST_TIMEOUT_S)
     assert r.status_code == 200 and "text_output" in r.json(), r.text
     left = wait_gone(old, timeout_s=30)
-    assert not left, f"processes of the old generation left: {[_name(p) for p in left]}"
+    assert not left, f"processes of the old generation left: {[process_name(p) for p in left]}"
     return ready_at
 
 
@@ -132,8 +125,8 @@ def test_engine_core_killed_mid_stream_fails_clearly_then_serve_restarts(tiny_mo
     srv = start_server(tiny_model, tmp_path)
     try:
         old = _generation(srv)
-        engine = [p for p in old if "EngineCore" in _name(p)]
-        assert len(engine) == 1, [_name(p) for p in old]
+        engine = [p for p in old if "EngineCore" in process_name(p)]
+        assert len(engine) == 1, [process_name(p) for p in old]
         old_shm = _shm() - shm_before_start
         stream = _Stream()
         client = threading.Thread(target=_stream, args=(srv, stream))
@@ -195,8 +188,8 @@ def test_engine_core_hung_mid_stream_fails_clearly_counts_it_then_serve_restarts
     engine: list[psutil.Process] = []
     try:
         old = _generation(srv)
-        engine = [p for p in old if "EngineCore" in _name(p)]
-        assert len(engine) == 1, [_name(p) for p in old]
+        engine = [p for p in old if "EngineCore" in process_name(p)]
+        assert len(engine) == 1, [process_name(p) for p in old]
         assert srv.metric(HANGS) == 0
         stream = _Stream()
         client = threading.Thread(target=_stream, args=(srv, stream))

@@ -24,6 +24,7 @@ from llmhost.gateway.routing.inflight import counts_by_row, upstream_load_name
 from llmhost.gateway.workers import WORKER_ENV, WorkerPlace, in_flight_table
 from tests.harness.gateway import KEY, Gateway, start_gateway, stop_gateway
 from tests.harness.net import CLIENT_TIMEOUT_S, free_port
+from tests.harness.server import process_name
 
 ADMIN_KEY = "admin-key-0123456789abcdef"
 PAIR_KEY = "pair-key-0123456789abcdef"  # at most 2 requests in flight
@@ -130,13 +131,6 @@ def _places(gateway: Gateway) -> dict[int, WorkerPlace]:
     return {pid: WorkerPlace.parse(psutil.Process(pid).environ()[WORKER_ENV]) for pid in _workers(gateway)}
 
 
-def _name(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline()) or p.name()
-    except psutil.NoSuchProcess:
-        return ""
-
-
 def _rows(table: Path, target: str) -> list[int]:
     return counts_by_row(table, upstream_load_name(target))
 
@@ -167,8 +161,8 @@ def test_every_workers_requests_in_flight_are_counted_for_all_and_a_dead_ones_cl
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
-    engine = [p for p in server.descendants() if "EngineCore" in _name(p)]
-    assert engine, [_name(p) for p in server.descendants()]
+    engine = server.engine_cores()
+    assert engine, [process_name(p) for p in server.descendants()]
     try:
         for event in first_event:
             assert event.wait(CLIENT_TIMEOUT_S), gateway.log.read_text()

@@ -35,7 +35,7 @@ from llmhost.server.reaping import end_processes
 from tests.e2e._client import generate
 from tests.e2e._servers import ExplicitServers
 from tests.harness import repository as repo
-from tests.harness.server import Server, wait_gone
+from tests.harness.server import Server, process_name, wait_gone
 
 PROMPT = "def main():"
 GONE_BOUND_S = 120  # an unloaded model's processes end within this (vLLM needs seconds to stop)
@@ -114,7 +114,7 @@ def _engine_core(pids: set[int]) -> psutil.Process:
     for pid in pids:
         try:
             p = psutil.Process(pid)
-            if "EngineCore" in (" ".join(p.cmdline()) or p.name()):
+            if "EngineCore" in process_name(p):
                 cores.append(p)
         except psutil.NoSuchProcess:
             pass

@@ -24,6 +24,14 @@ READY_TIMEOUT_S = 2 * START_TIMEOUT_S + 30
 SERVE_READY = "llmhost serve: ready."
 
 
+def process_name(p: psutil.Process) -> str:
+    """A process's command line (vLLM's EngineCore shows there), or its name; "?" once gone."""
+    try:
+        return " ".join(p.cmdline()) or p.name()
+    except psutil.NoSuchProcess:
+        return "?"
+
+
 @dataclass
 class Server(Endpoint):
     proc: subprocess.Popen[bytes]
@@ -35,6 +43,10 @@ class Server(Endpoint):
             return psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
+
+    def engine_cores(self) -> list[psutil.Process]:
+        """vLLM's EngineCore processes among its descendants."""
+        return [p for p in self.descendants() if "EngineCore" in process_name(p)]
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
