@@ -34,7 +34,8 @@ _SERIES = re.compile(r'^(vllm:prefix_cache_(?:hits|queries)_total)\{([^}]*)\} ([
 @pytest.fixture(scope="module")
 def replicas(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(tiny_model, tmp_path_factory.mktemp("serve-replicas"),
-                       extra=["--instances", "2", "--engine-arg", f"block_size={BLOCK_TOKENS}"])
+                       extra=["--instances", "2", "--engine-arg", f"block_size={BLOCK_TOKENS}",
+                              "--setting", "kv_events=true"])
     yield srv
     stop_leaving_nothing(srv)
 
@@ -68,6 +69,12 @@ def _common(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def _decisions(gw: Gateway) -> dict[str, float]:
+    metrics = httpx.get(gw.metrics, timeout=30).text
+    return {k: float(v) for k, v in re.findall(
+        r'llmhost_gateway_routing_decisions_total\{model="tiny",reason="(\w+)"\} ([0-9.]+)', metrics)}
 
 
 def _run_workload(gw: Gateway, srv: Server, tokenizer: Any, tag: str) -> tuple[float, float]:
@@ -127,6 +134,57 @@ def test_cache_aware_routing_reaches_the_ideal_hit_rate_and_beats_round_robin(
     print(f"fleet prefix-cache hit rate: cache_aware {aware:.3f} (ideal {ideal:.3f}), round_robin {spread:.3f}")
     assert 0.9 * ideal <= aware <= ideal + 0.01, (aware, ideal)
     assert aware >= spread + 0.15, (aware, spread)
+
+
+def test_kv_events_routing_follows_the_engines_caches(replicas: Server, tiny_model: Path, tmp_path: Path) -> None:
+    """The engines publish their KV-cache events (the backend's kv_events setting); a
+    gateway routing by them sends each prefix's later requests where its blocks are, and
+    a prompt nobody holds to the least loaded."""
+    from transformers import AutoTokenizer
+
+    from llmhost.kv_events.sockets import read_description
+
+    assert replicas.engine_sockets is not None
+    sockets = sorted((replicas.engine_sockets / replicas.name).glob("*.sock"))
+    assert len(sockets) == 2, sockets
+    for sock in sockets:
+        description = read_description(sock)
+        assert description is not None and Path(description["tokenizer"]).resolve() == tiny_model.resolve(), sock
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    gw = _gateway(replicas, tmp_path, "--routing", "kv_events")
+    try:
+        # Until the gateway follows both engines, it routes by the prefix's hash; once it
+        # does, a prompt no engine holds is "no_match".
+        deadline = time.monotonic() + 300
+        n = 0
+        with httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=CLIENT_TIMEOUT_S) as c:
+            while not _decisions(gw).get("no_match"):
+                assert time.monotonic() < deadline, _decisions(gw)
+                r = c.post("/completions", json={"model": replicas.name, "prompt": f"warm-up {n}", "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                n += 1
+                time.sleep(0.5)
+        # The warm-up's lookups reach /metrics within the backend's push interval (1 s):
+        # until they have, the workload's counts would take them in.
+        settled = prefix_counters(replicas)
+        while True:
+            time.sleep(1.5)
+            now = prefix_counters(replicas)
+            if now == settled:
+                break
+            settled = now
+        before = _decisions(gw)
+        followed, ideal = _run_workload(gw, replicas, tokenizer, "events")
+        after = _decisions(gw)
+    finally:
+        stop_gateway(gw.proc, gw.log)
+    moved = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    print(f"fleet prefix-cache hit rate: kv_events {followed:.3f} (ideal {ideal:.3f}); decisions {moved}")
+    assert sum(moved.values()) == PREFIXES * REQUESTS_PER_PREFIX, moved
+    # Each prefix's first request finds it nowhere; the later ones where it was computed.
+    assert moved.get("no_match", 0) >= PREFIXES, moved
+    assert moved.get("prefix", 0) >= PREFIXES * (REQUESTS_PER_PREFIX - 2), moved
+    assert 0.9 * ideal <= followed <= ideal + 0.01, (followed, ideal)
 
 
 def test_multi_turn_bench_pins_each_conversation_by_its_session(replicas: Server, tmp_path: Path) -> None:

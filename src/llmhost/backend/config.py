@@ -108,6 +108,12 @@ class BackendSettings:
     # named function need one. "": none; tools are only shown to the chat template.
     # The reasoning parser is vLLM's own engine argument `reasoning_parser`.
     tool_parser: str = ""
+    # Publish the engine's KV-cache events (vLLM's kv_events_config: the blocks each
+    # step stores and evicts) on a ZMQ socket next to the engine socket, where a
+    # folder of engine sockets is set, and describe where beside it
+    # (llmhost.gateway.routing.kvevents): for a gateway routing by them, the
+    # ``kv_events`` policy. Off: the events cost the engine a little each step.
+    kv_events: bool = False
     # A model spread over several hosts (vLLM's multi-node runtime: model.json's
     # nnodes, node_rank 0, master_addr, master_port and the layout): the addresses of
     # the other hosts, where `llmhost follow` runs the worker side, separated by

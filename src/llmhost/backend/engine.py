@@ -242,6 +242,12 @@ class EngineRunner:
         self._drained_marked = False
 
     # -- lifecycle ------------------------------------------------------------
+    @property
+    def model_config(self) -> Any:
+        """The running engine's vLLM ModelConfig; None before it started or once it stopped."""
+        engine = self._engine
+        return engine.model_config if engine is not None else None
+
     def start(self) -> None:
         """Build the engine on its own thread; raises EngineStartError (naming the
         cause) whatever goes wrong before the engine is up."""

@@ -22,6 +22,7 @@ Threads in the stub process:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import itertools
 import json
@@ -55,8 +56,9 @@ from llmhost.backend.request import (
     client_label,
     parse_request,
 )
-from llmhost.backend.stream_socket import SOCKET_DIR_ENV, StreamSocketServer, socket_path
+from llmhost.backend.stream_socket import SOCKET_DIR_ENV, StreamSocketServer, make_socket_folder, socket_path
 from llmhost.backend.triton_params import ENABLE_VLLM_HEALTH_CHECK, bool_param, metrics_enabled
+from llmhost.kv_events.sockets import describe, events_config, remove_description, write_description
 
 INPUTS: list[dict[str, Any]] = [
     {"name": TEXT_INPUT, "data_type": "TYPE_STRING", "dims": [1], "optional": True},
@@ -424,6 +426,7 @@ class TritonPythonModel:
                                           "{ decoupled: true } in config.pbtxt")
         self.config = self._load_config(pb, args)
         self._apply_placement(args)
+        self._publish_kv_events(args)
         self.metrics = ServingMetrics()
         # Hangs counted before the server's last restarts (kept_counts.py).
         hang_count_file = count_file("engine_hangs", args["model_name"], instance_name(args))
@@ -467,19 +470,42 @@ class TritonPythonModel:
                            f"metrics {'on' if exporter is not None else 'off'}, "
                            f"health check {'on' if self.health else 'off'})")
 
-    def _open_engine_socket(self, pb: Any, args: dict[str, Any]) -> StreamSocketServer | None:
+    @staticmethod
+    def _engine_socket_path(args: dict[str, Any]) -> Path | None:
         """This instance's engine socket, where $LLMHOST_ENGINE_SOCKET_DIR names a folder (stream_socket.py)."""
         import os
 
         directory = os.environ.get(SOCKET_DIR_ENV, "").strip()
         if not directory:
             return None
-        instance = instance_name(args)
-        server = StreamSocketServer(self.runner, self.config.settings,
-                                    socket_path(Path(directory), args["model_name"],
-                                                str(args.get("model_version", "1")), instance),
+        return socket_path(Path(directory), args["model_name"], str(args.get("model_version", "1")),
+                           instance_name(args))
+
+    def _publish_kv_events(self, args: dict[str, Any]) -> None:
+        """With the ``kv_events`` setting and an engine socket: the engine publishes its
+        KV-cache events beside the socket (kv_events.py), unless model.json gives its
+        own kv_events_config."""
+        path = self._engine_socket_path(args)
+        if not self.config.settings.kv_events or path is None or "kv_events_config" in self.config.engine_args:
+            return
+        make_socket_folder(path)  # the engine binds its events there before the engine socket is served
+        self.config = dataclasses.replace(self.config, engine_args={**self.config.engine_args,
+                                                                    "kv_events_config": events_config(path)})
+
+    def _open_engine_socket(self, pb: Any, args: dict[str, Any]) -> StreamSocketServer | None:
+        """This instance's engine socket (where a folder for them is set), and the
+        description of its KV-cache events where the engine publishes them beside it."""
+        path = self._engine_socket_path(args)
+        if path is None:
+            return None
+        server = StreamSocketServer(self.runner, self.config.settings, path,
                                     lambda m: pb.Logger.log_info(f"[llmhost] {m}"), self.config.adapters)
-        return server if server.open() else None
+        if not server.open():
+            return None
+        engine_config = self.runner.model_config
+        if self.config.engine_args.get("kv_events_config") == events_config(path) and engine_config is not None:
+            write_description(path, describe(path, engine_config))
+        return server
 
     @staticmethod
     def _exporter(pb: Any, args: dict[str, Any]) -> TritonExporter | None:
@@ -618,6 +644,7 @@ class TritonPythonModel:
         t0 = time.monotonic()
         engine_socket = getattr(self, "engine_socket", None)
         if engine_socket is not None:  # no new requests on it; those in flight drain with the rest
+            remove_description(engine_socket.path)
             engine_socket.close()
             self.engine_socket = None
         if runner is not None:

@@ -69,6 +69,13 @@ def socket_path(directory: Path, model: str, version: str, instance: str) -> Pat
     return directory / model / f"{version}-{instance}.sock"
 
 
+def make_socket_folder(path: Path) -> None:
+    """The folders of the socket PATH (the sockets', the model's), 0750."""
+    for folder in (path.parent.parent, path.parent):
+        folder.mkdir(mode=0o750, exist_ok=True)
+        os.chmod(folder, 0o750)  # whatever the umask (the unit's is 0077): the group must get in
+
+
 def request_inputs(raw: dict[str, Any]) -> dict[str, Any]:
     """The line's inputs in parse_request's shape (one-element lists; ``image`` and
     ``prompt_token_ids`` lists)."""
@@ -161,9 +168,7 @@ class StreamSocketServer:
     def _prepare(self) -> None:
         """The folder (0750) and no socket left at the path; a live one (another
         instance of this name) is not taken over."""
-        for folder in (self.path.parent.parent, self.path.parent):  # the sockets' folder, the model's
-            folder.mkdir(mode=0o750, exist_ok=True)
-            os.chmod(folder, 0o750)  # whatever the umask (the unit's is 0077): the group must get in
+        make_socket_folder(self.path)
         try:
             mode = self.path.lstat().st_mode
         except FileNotFoundError:

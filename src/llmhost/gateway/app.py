@@ -26,6 +26,8 @@ from llmhost.gateway.httpio import error_response
 from llmhost.gateway.keys import KeyStore
 from llmhost.gateway.limits import KeyLimiter
 from llmhost.gateway.record import Observer, RequestMiddleware
+from llmhost.gateway.routing.kvevents import KvEventsIndex
+from llmhost.gateway.routing.policies import KV_EVENTS
 from llmhost.gateway.routing.pool import PoolSettings, UpstreamPool
 from llmhost.gateway.upstreams.client import Upstream
 
@@ -41,12 +43,18 @@ def make_pool(config: GatewayConfig, upstream: Any = None,
                             timeout_s=config.health_timeout_s,
                             unhealthy_threshold=config.health_unhealthy_threshold,
                             healthy_threshold=config.health_healthy_threshold)
+    # What this host's engines' caches hold, for the kv_events policy: one index for every
+    # upstream with engine sockets here.
+    kv_events = KvEventsIndex() if config.engine_sockets else None
     if upstream is not None:
         members = [(config.upstreams[0], upstream)]
     else:
         members = [(t, Upstream(t, config.health_timeout_s, config.engine_sockets.get(t), on_line,
-                                upstream_ca(config, t))) for t in config.upstreams]
-    return UpstreamPool(members, config.models, settings)
+                                upstream_ca(config, t), kv_events)) for t in config.upstreams]
+    pool = UpstreamPool(members, config.models, settings)
+    pool.kv_events = kv_events
+    pool.kv_events_models = [m for m in config.models if config.routing.policy_of(m) == KV_EVENTS]
+    return pool
 
 
 def upstream_ca(config: GatewayConfig, target: str) -> bytes | None:

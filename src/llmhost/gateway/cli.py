@@ -189,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "through them, one line per engine step (repeat per upstream)")
     p.add_argument("--routing", choices=POLICIES,
                    help="how a model's replicas (upstreams, and engine sockets on this host) share its requests: "
-                        "by the prompt's prefix with a load bound (cache_aware), the fewest in flight "
+                        "by the prompt's prefix with a load bound (cache_aware), by what each engine's cache "
+                        "holds as its KV-cache events tell (kv_events: the engine sockets of this host; needs the "
+                        "model's backend setting kv_events), the fewest in flight "
                         f"(least_loaded), or in turn (round_robin); default {d.routing_policy}")
     p.add_argument("--model-routing", type=_model_policy, action="append", metavar="NAME=POLICY",
                    help="a model's own routing policy (repeat per model)")

@@ -39,7 +39,7 @@ unknown key is refused by name. Relative paths are relative to the file's folder
       body_timeout_s: 30               # --body-timeout-s; then the request body (else 408)
       idle_timeout_s: 5                # --idle-timeout-s; a kept-alive connection without a request
     routing:                           # which replica takes a request (llmhost.gateway.routing.policies)
-      policy: cache_aware              # --routing: cache_aware, least_loaded or round_robin
+      policy: cache_aware              # --routing: cache_aware, kv_events, least_loaded or round_robin
       models: {embedder: least_loaded} # --model-routing NAME=POLICY; a model's own policy
       prefix_chars: 1024               # --routing-prefix-chars; the prompt's start that makes its key
       load_factor: 1.5                 # --routing-load-factor; a replica's bound, times the mean load

@@ -28,7 +28,8 @@ auth with TOKEN as the password, any user name), else 401.
 - ``llmhost_gateway_routing_decisions_total{model,reason}``: requests routed to a
   replica, by the decision's reason (``llmhost.gateway.routing.policies``): ``prefix`` or
   ``session`` (the routing key's replica), ``load_bound`` (that one was over its load
-  bound), ``no_key``, ``least_loaded``, ``round_robin``.
+  bound), ``no_key``, ``no_match`` (kv_events: no engine held a block of the prompt),
+  ``least_loaded``, ``round_robin``.
 
 With several worker processes (``workers``), the supervisor serves every worker's
 counters and histograms in one /metrics (prometheus_client's multiprocess mode), and
@@ -128,7 +129,8 @@ class GatewayMetrics:
         self.rate_limited = Counter("llmhost_gateway_rate_limited", "Requests refused (429) by a key's limit",
                                     ["key", "limit"], registry=self.registry)
         self.routing = Counter("llmhost_gateway_routing_decisions", "Requests routed to a replica, by the "
-                               "decision's reason (prefix, session, load_bound, no_key, least_loaded, round_robin)",
+                               "decision's reason (prefix, session, load_bound, no_key, no_match, least_loaded, "
+                               "round_robin)",
                                ["model", "reason"], registry=self.registry)
         for model in sorted(self.models):  # at zero from the start, so rate() sees the first decision
             for reason in REASONS:

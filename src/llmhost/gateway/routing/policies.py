@@ -16,6 +16,12 @@ or ``instance_count`` of them). Each level picks by the model's policy:
   so every gateway worker and every gateway host picks the same replica without
   talking to the others; the load bound uses each one's own count of requests in
   flight. A request without a key goes to the least loaded target.
+- ``kv_events``: among this host's engines, by what each engine's cache holds, as its
+  KV-cache events tell (llmhost.gateway.routing.kvevents): the engine holding the
+  longest run of the prompt's leading blocks, under the same load bound; among equals
+  (and where no engine holds a block) the key's order decides, as ``cache_aware``. A
+  remote upstream, a session hint, and the time before the events are followed: as
+  ``cache_aware``.
 - ``least_loaded``: the target with the fewest requests in flight.
 - ``round_robin``: the targets in turn.
 
@@ -28,7 +34,8 @@ than that is its own key.
 
 Each decision is counted by reason (``REASONS``): ``prefix`` or ``session`` (the
 key's first choice), ``load_bound`` (its first choice was over the bound: a later one
-took it), ``no_key`` (cache-aware, nothing to key on: least loaded),
+took it), ``no_key`` (cache-aware, nothing to key on: least loaded), ``no_match``
+(kv_events: no engine holds a block of the prompt: the key's order),
 ``least_loaded``, ``round_robin``.
 """
 
@@ -42,8 +49,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN = "cache_aware", "least_loaded", "round_robin"
-POLICIES = (CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN)
+CACHE_AWARE, KV_EVENTS, LEAST_LOADED, ROUND_ROBIN = "cache_aware", "kv_events", "least_loaded", "round_robin"
+POLICIES = (CACHE_AWARE, KV_EVENTS, LEAST_LOADED, ROUND_ROBIN)
+# The policies that key requests by their prompt prefix or session.
+KEYED = (CACHE_AWARE, KV_EVENTS)
 DEFAULT_POLICY = CACHE_AWARE
 # The prompt's leading characters that make its key: about 256 tokens at 4 characters
 # a token (16 of vLLM's 16-token KV-cache blocks). Prompts that share less than that
@@ -59,7 +68,7 @@ DEFAULT_LOAD_FACTOR = 1.5
 SESSION_HEADER = "x-session-id"
 # The most characters of a session hint that count (a longer one is cut).
 MAX_SESSION_CHARS = 256
-REASONS = ("prefix", "session", "load_bound", "no_key", LEAST_LOADED, ROUND_ROBIN)
+REASONS = ("prefix", "session", "load_bound", "no_key", "no_match", LEAST_LOADED, ROUND_ROBIN)
 
 T = TypeVar("T")
 
@@ -81,13 +90,20 @@ class RoutingSettings:
 @dataclass
 class Route:
     """One request's routing: its model's policy, its key (None: none), the key's
-    kind (``prefix`` or ``session``), and the reason of the decision made for it."""
+    kind (``prefix`` or ``session``), the reason of the decision made for it, and
+    (kv_events) how many of its prompt's leading blocks each target holds, by the
+    target's name, for the level being chosen (None: not known)."""
 
     policy: str = LEAST_LOADED
     key: bytes | None = None
     kind: str = "prefix"
     load_factor: float = DEFAULT_LOAD_FACTOR
     reason: str | None = None
+    matches: dict[str, int] | None = None
+    # kv_events: the engine socket request whose prompt is matched, and the names of its
+    # blocks by block size once found (llmhost.gateway.routing.kvevents).
+    line: dict[str, Any] | None = None
+    blocks: dict[int, list[bytes]] | None = None
 
     def decided(self, reason: str) -> None:
         """Note one level's REASON; a load-bound choice at any level is what the request records."""
@@ -156,14 +172,16 @@ class Chooser:
                load: Callable[[T], int]) -> T:
         """One of TARGETS (not empty) for ROUTE (None: least loaded), noting the reason
         on ROUTE. TURN names the round-robin turn (one per model and level)."""
-        if len(targets) == 1 and route is None:
-            return targets[0]
+        if len(targets) == 1 and (route is None or route.reason is not None):
+            return targets[0]  # nothing to choose: the level above chose, and its reason stands
         policy = route.policy if route is not None else LEAST_LOADED
         if policy == ROUND_ROBIN:
             counter = self._turns.setdefault(turn, itertools.count())
             picked = sorted(targets, key=name)[next(counter) % len(targets)]
             reason = ROUND_ROBIN
-        elif policy == CACHE_AWARE and route is not None and route.key is not None:
+        elif policy == KV_EVENTS and route is not None and route.matches is not None and route.kind == "prefix":
+            picked, reason = _by_matches(route, targets, name, load)
+        elif policy in KEYED and route is not None and route.key is not None:
             names = [name(t) for t in targets]
             loads = [load(t) for t in targets]
             bound = load_bound(loads, route.load_factor)
@@ -173,7 +191,26 @@ class Chooser:
             reason = route.kind if first == order[0] else "load_bound"
         else:
             picked = min(targets, key=lambda t: (load(t), name(t)))
-            reason = "no_key" if policy == CACHE_AWARE else LEAST_LOADED
+            reason = "no_key" if policy in KEYED else LEAST_LOADED
         if route is not None:
             route.decided(reason)
         return picked
+
+
+def _by_matches(route: Route, targets: Sequence[T], name: Callable[[T], str], load: Callable[[T], int]
+                ) -> tuple[T, str]:
+    """kv_events: the target holding most of the prompt's leading blocks, and among
+    equals (none holding any, too) the first in the key's order, under the load bound;
+    past it the next in that order."""
+    matches = route.matches or {}
+    names = [name(t) for t in targets]
+    held = [matches.get(n, 0) for n in names]
+    loads = [load(t) for t in targets]
+    ranks = {i: r for r, i in enumerate(rendezvous_order(route.key, names) if route.key is not None
+                                        else sorted(range(len(names)), key=names.__getitem__))}
+    order = sorted(range(len(targets)), key=lambda i: (-held[i], ranks[i]))
+    bound = load_bound(loads, route.load_factor)
+    first = next((i for i in order if loads[i] < bound), order[0])
+    if first != order[0]:
+        return targets[first], "load_bound"
+    return targets[first], "prefix" if held[first] > 0 else "no_match"

@@ -52,11 +52,13 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from llmhost.gateway.errors import ApiError, unavailable
 from llmhost.gateway.routing.inflight import InFlight, upstream_load_name
-from llmhost.gateway.routing.policies import Chooser, Route
+from llmhost.gateway.routing.kvevents import KvEventsIndex
+from llmhost.gateway.routing.policies import KV_EVENTS, Chooser, Route
 from llmhost.gateway.upstreams.client import Draining, NotStarted, UpstreamDown
 
 T = TypeVar("T")
@@ -143,6 +145,10 @@ class UpstreamPool:
         self.chooser = Chooser()
         # What the policies weigh: requests in flight per upstream (every worker's, where shared).
         self.in_flight = InFlight()
+        # What this host's engines' caches hold (the kv_events policy among upstreams with
+        # engine sockets here); None: no such upstream.
+        self.kv_events: KvEventsIndex | None = None
+        self.kv_events_models: list[str] = []  # the models routed by them
         # Sees (model, reason) of each routed request once it ends (the gateway's metrics).
         self.on_route: Callable[[str, str], None] | None = None
         self._changed = asyncio.Condition()
@@ -209,8 +215,13 @@ class UpstreamPool:
             member.in_service = False
 
     async def check(self) -> None:
-        """Check every upstream once (concurrently)."""
+        """Check every upstream once (concurrently); then follow the KV-cache events of
+        the engines of the models routed by them (from the start, not from their first request)."""
         await asyncio.gather(*(self.check_member(m) for m in self.members))
+        if self.kv_events is not None:
+            for model in self.kv_events_models:
+                self.kv_events.prepare([s for m in self.members if callable(getattr(m.client, "engine_sockets", None))
+                                        for s in m.client.engine_sockets(model)])
 
     async def _ensure_checked(self) -> None:
         unchecked = [m for m in self.members if not m.checked]
@@ -332,6 +343,8 @@ class UpstreamPool:
         exclude = set(exclude)
         if not self._candidates(model, exclude):
             raise self._none_ready(model)
+        if route is not None and route.policy == KV_EVENTS and route.kind == "prefix":
+            route.matches = await self._upstream_matches(model, exclude, route)
         member = self._free(model, exclude, route)
         if member is None:
             if self.waiting >= self.settings.max_queue:
@@ -343,6 +356,19 @@ class UpstreamPool:
         if not member.in_service:
             self.panic_routed += 1
         return member
+
+    async def _upstream_matches(self, model: str, exclude: set[str], route: Route) -> dict[str, int] | None:
+        """kv_events: how many of ROUTE's prompt's leading blocks each candidate upstream's
+        engines hold, by its target; None (the prefix hash decides) where one of them
+        has no engine sockets on this host, or there is one candidate."""
+        members = self._candidates(model, exclude)
+        if self.kv_events is None or len(members) < 2:
+            return None
+        groups: dict[str, list[Path]] = {}
+        for m in members:
+            sockets = getattr(m.client, "engine_sockets", None)
+            groups[m.target] = sockets(model) if callable(sockets) else []
+        return await self.kv_events.matches(groups, route)
 
     async def _wait(self, model: str, exclude: set[str], route: Route | None) -> Member:
         self.waiting += 1

@@ -38,7 +38,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from llmhost.gateway.errors import ApiError, invalid
 from llmhost.gateway.routing.inflight import InFlight, socket_load_name
-from llmhost.gateway.routing.policies import ROUND_ROBIN, Chooser, Route
+from llmhost.gateway.routing.kvevents import KvEventsIndex
+from llmhost.gateway.routing.policies import KV_EVENTS, ROUND_ROBIN, Chooser, Route
 from llmhost.gateway.upstreams.request import BackendRequest
 
 # How the messages begin that mean "this server cannot serve now; retry" (503), not
@@ -104,8 +105,8 @@ def prompt_input(req: BackendRequest) -> tuple[str, str | list[int]]:
     return "messages", json.dumps(req.messages)
 
 
-def socket_request(req: BackendRequest, request_id: str) -> bytes:
-    """The engine socket's request line for one backend request."""
+def socket_line(req: BackendRequest, request_id: str) -> dict[str, Any]:
+    """The engine socket's request for one backend request."""
     name, value = prompt_input(req)
     inputs: dict[str, Any] = {name: value}
     inputs["sampling_parameters"] = json.dumps(req.sampling)
@@ -116,8 +117,16 @@ def socket_request(req: BackendRequest, request_id: str) -> bytes:
     params: dict[str, Any] = {"sparse_outputs": True, "embed": True} if req.embed else {"sparse_outputs": True}
     if req.tokens is not None:
         params[req.tokens] = True
-    line = {"inputs": inputs, "parameters": params, "id": request_id}
+    return {"inputs": inputs, "parameters": params, "id": request_id}
+
+
+def encode_line(line: dict[str, Any]) -> bytes:
     return json.dumps(line, separators=(",", ":")).encode("utf-8", "surrogatepass") + b"\n"
+
+
+def socket_request(req: BackendRequest, request_id: str) -> bytes:
+    """The engine socket's request line for one backend request."""
+    return encode_line(socket_line(req, request_id))
 
 
 def socket_piece(outputs: dict[str, list[Any]], final: bool) -> Piece:
@@ -263,7 +272,8 @@ class Upstream:
     when given, sees every engine socket line (the gateway's metrics)."""
 
     def __init__(self, target: str, timeout_s: float = 5.0, socket_dir: Path | None = None,
-                 on_line: Callable[[str, int, float], None] | None = None, ca: bytes | None = None) -> None:
+                 on_line: Callable[[str, int, float], None] | None = None, ca: bytes | None = None,
+                 kv_events: KvEventsIndex | None = None) -> None:
         self.target = target
         # PEM CA certificates that verify the server: gRPC over TLS (None: plaintext).
         self.ca = ca
@@ -275,6 +285,9 @@ class Upstream:
         self._chooser = Chooser()
         # Requests in flight per engine socket (every worker's, where the gateway shares them).
         self.in_flight = InFlight()
+        # What this host's engines' caches hold (the kv_events policy; one index for every
+        # upstream of the gateway), followed once a request asks.
+        self.kv_events = kv_events if socket_dir is not None else None
 
     def _get_stub(self) -> Any:
         if self._stub is None:
@@ -356,12 +369,17 @@ class Upstream:
     async def generate(self, req: BackendRequest) -> AsyncIterator[Piece]:
         """The backend's responses for one request. Leaving the iteration early
         (an exception, a cancelled task, ``aclose``) cancels the upstream request."""
-        path = self.engine_socket(req.model, req.route)
+        line = socket_line(req, uuid.uuid4().hex)
+        route = req.route
+        if route is not None and route.policy == KV_EVENTS and route.kind == "prefix" and self.kv_events is not None:
+            found = self.engine_sockets(req.model)
+            route.matches = await self.kv_events.matches({s.name: [s] for s in found}, route) \
+                if len(found) > 1 else None
+        path = self.engine_socket(req.model, route)
         if path is not None:
             try:
                 with self.in_flight.holding(socket_load_name(path)):
-                    async for outputs, final in self.socket_lines(path, req.model,
-                                                                  socket_request(req, uuid.uuid4().hex)):
+                    async for outputs, final in self.socket_lines(path, req.model, encode_line(line)):
                         yield socket_piece(outputs, final)
                 return
             except _NoAnswer:
@@ -381,7 +399,7 @@ class Upstream:
         path = self.engine_socket(model)
         if path is not None:
             version = path.name.partition("-")[0]
-            data = json.dumps(line, separators=(",", ":")).encode("utf-8", "surrogatepass") + b"\n"
+            data = encode_line(line)
             try:
                 with self.in_flight.holding(socket_load_name(path)):
                     async for outputs, _ in self.socket_lines(path, model, data):

@@ -27,9 +27,9 @@ from llmhost.gateway.doors.openai.mapping import message_text, parse_body, parse
 from llmhost.gateway.errors import ApiError, invalid, model_not_found
 from llmhost.gateway.httpio import ClientGone, EventStream, error_response, json_response, read_body, until_disconnect
 from llmhost.gateway.record import RequestRecord, record_of
-from llmhost.gateway.routing.policies import CACHE_AWARE, SESSION_HEADER, prompt_key_text, route_key
+from llmhost.gateway.routing.policies import KEYED, KV_EVENTS, SESSION_HEADER, prompt_key_text, route_key
 from llmhost.gateway.routing.policies import Route as RequestRoute
-from llmhost.gateway.upstreams.client import Piece
+from llmhost.gateway.upstreams.client import Piece, socket_line
 from llmhost.gateway.upstreams.request import BackendRequest
 
 # The backend's default max_tokens: the tokens-per-minute estimate of a request
@@ -218,16 +218,19 @@ class OpenAiApi(Access):
             return Response(None, 499)
 
     def route(self, req: BackendRequest, request: Request) -> RequestRoute:
-        """Where REQ goes: its model's routing policy and, for cache-aware routing, its key
+        """Where REQ goes: its model's routing policy and, for routing by cache, its key
         (the session header, the ``user`` field where that pins, else the prompt's start)."""
         settings = self.config.routing
         policy = settings.policy_of(req.model)
-        if policy != CACHE_AWARE:
+        if policy not in KEYED:
             return RequestRoute(policy, load_factor=settings.load_factor)
         session = request.headers.get(SESSION_HEADER) or (req.user if settings.session_user else None)
         text = prompt_key_text(req.text_input, req.messages, req.prompt_token_ids, settings.prefix_chars)
         key, kind = route_key(req.model, text, session)
-        return RequestRoute(policy, key, kind, settings.load_factor)
+        route = RequestRoute(policy, key, kind, settings.load_factor)
+        if policy == KV_EVENTS:
+            route.line = socket_line(req, "")
+        return route
 
     def _pieces(self, req: BackendRequest, request: Request) -> AsyncIterator[Piece]:
         """The backend's pieces for REQ: one upstream request, or one per prompt of a batch, merged."""
