@@ -97,6 +97,21 @@ def cache_aware_variant(policy: str) -> bool:
     return policy == "cache_aware" or policy.startswith("cache_aware@")
 
 
+# Routing by the engines' own KV-cache events (the replicas publish them: --setting kv_events=true).
+KV_EVENTS = "kv_events"
+KV_EVENTS_SETTLE_S = 20
+
+
+def bases_of(policy: str) -> tuple[str, ...]:
+    """What POLICY is compared with: a routing-by-cache policy with round robin, least
+    loaded and vLLM's data parallel; kv_events also with cache_aware; others with none."""
+    if cache_aware_variant(policy):
+        return ("round_robin", "least_loaded", YARDSTICK)
+    if policy == KV_EVENTS:
+        return ("round_robin", "least_loaded", YARDSTICK, "cache_aware")
+    return ()
+
+
 def seed_of(rnd: int, index: int) -> int:
     """The dataset seed of the INDEX-th run (from 0) of round RND: every run its own."""
     return 1000 * (rnd + 1) + index
@@ -156,8 +171,7 @@ def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ran = [*POLICIES, *sorted({r["policy"] for r in here} - set(POLICIES))]
         rates = {p: statistics.median(r["fleet_hit_rate"] for r in here if r["policy"] == p)
                  for p in ran if any(r["policy"] == p and r["fleet_hit_rate"] is not None for r in here)}
-        for policy, base in ((p, b) for p in ran if cache_aware_variant(p)
-                             for b in ("round_robin", "least_loaded", YARDSTICK)):
+        for policy, base in ((p, b) for p in ran for b in bases_of(p)):
             pairs = [(a, b) for a in here for b in here
                      if a["policy"] == policy and b["policy"] == base and a["round"] == b["round"]]
             if not pairs:
@@ -178,13 +192,13 @@ def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def acceptance(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each ACCEPTANCE check (and DP_ACCEPTANCE's, where vLLM's data parallel ran) with the
-    measured medians and whether it held (None: not run)."""
+def acceptance(rows: list[dict[str, Any]], policy: str = "cache_aware") -> list[dict[str, Any]]:
+    """Each ACCEPTANCE check of POLICY (and DP_ACCEPTANCE's, where vLLM's data parallel
+    ran) with the measured medians and whether it held (None: not run)."""
     out = []
     for goal in (*ACCEPTANCE, *(DP_ACCEPTANCE if any(r["base"] == YARDSTICK for r in rows) else ())):
         row = next((r for r in rows if r["workload"] == goal["workload"] and r["concurrency"] == goal["concurrency"]
-                    and r["policy"] == "cache_aware" and r["base"] == goal["base"]), None)
+                    and r["policy"] == policy and r["base"] == goal["base"]), None)
         held: bool | None = None
         if row is not None and row["tps"] is not None:
             held = row["tps"] >= goal["min_tps"]
@@ -353,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/routing-work"))
     args = ap.parse_args(argv)
     policies = tuple(args.policies.split(","))
-    if not all(p in POLICIES or p == YARDSTICK or cache_aware_variant(p) for p in policies):
-        ap.error(f"--policies: {args.policies!r}: each one of {', '.join(POLICIES)}, {YARDSTICK} or cache_aware@F")
+    if not all(p in (*POLICIES, KV_EVENTS, YARDSTICK) or cache_aware_variant(p) for p in policies):
+        ap.error(f"--policies: {args.policies!r}: each one of {', '.join(POLICIES)}, {KV_EVENTS}, {YARDSTICK} "
+                 "or cache_aware@F")
     if YARDSTICK in policies and not args.replica_per_gpu:
         ap.error(f"--policies: {YARDSTICK} runs vLLM's data parallel on the replicas' two GPUs: "
                  "it needs --replica-per-gpu")
@@ -391,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     def requests_of(workload: str, c: int) -> int:
         return args.prefix_requests if workload == "prefix" and args.prefix_requests else requests_for(c)
     input_len = args.prefix_len + args.suffix_len
+    # Each replica's backend settings (`--setting`): kv_events where that policy runs.
+    replica_settings = ["stream_interval_ms=0", *(["kv_events=true"] if KV_EVENTS in policies else [])]
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "vllm": vllm.__version__, "gpu": gpu,
         "cpus": os.cpu_count(), "rounds_asked": args.rounds, "budget_s": args.budget, "policies": list(policies),
@@ -402,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "replicas": {"count": 2, "on": "a GPU each (0 and 1), two llmhost serve --device gpu servers"
                      if args.replica_per_gpu else
                      "one GPU, two llmhost serve --device gpu servers started one after the other",
-                     "engine_args": engine},
+                     "engine_args": engine, "settings": replica_settings},
         **({"yardstick": {"policy": YARDSTICK, "server": "vllm serve --data-parallel-size 2 on GPUs 0 and 1, "
                           "the replicas' engine arguments, started after them", "streaming": YARDSTICK_STREAMING}}
            if YARDSTICK in policies else {}),
@@ -424,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         res["ratios"] = ratios(res["runs"])
         res["acceptance"] = acceptance(res["ratios"])
+        if KV_EVENTS in policies:
+            res["acceptance_kv_events"] = acceptance(res["ratios"], KV_EVENTS)
         res["seconds"] = round(time.monotonic() - t_start, 1)
         (out / "result.json").write_text(json.dumps(res, indent=1) + "\n")
 
@@ -433,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                VLLM_CACHE_ROOT=str(args.work / "vllm-cache"), PYTHONUNBUFFERED="1")
     replicas = [replica_cls(side, model, args.work, args.work / f"serve-{side}.log", engine,
                             {**env, "CUDA_VISIBLE_DEVICES": str(i if args.replica_per_gpu else 0)},
-                            ["stream_interval_ms=0"]) for i, side in enumerate(REPLICA_PORTS)]
+                            replica_settings) for i, side in enumerate(REPLICA_PORTS)]
     yardstick = (yardstick_cls(model, args.work, {**env, "CUDA_VISIBLE_DEVICES": "0,1"}, engine, 2)
                  if YARDSTICK in policies else None)
     gateway: Any = None
@@ -477,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
             gateway.stop()
         gateway = gateway_cls(replicas, args.work, env, policy)
         took = gateway.start()
+        if policy == KV_EVENTS:
+            # Each worker loads vLLM's event types and the tokenizer and follows the engines
+            # from its first health check on; until then it routes as cache_aware.
+            time.sleep(KV_EVENTS_SETTLE_S)
         res.setdefault("gateway_ready_s", []).append(took)
         return gateway
 
@@ -580,11 +603,12 @@ def main(argv: list[str] | None = None) -> int:
                     save()
             took_round = time.monotonic() - t_round
         for row in ratios(res["runs"]):
-            log(f"{row['workload']} c={row['concurrency']} cache_aware/{row['base']}: tok/s {row['tps']}x "
+            log(f"{row['workload']} c={row['concurrency']} {row['policy']}/{row['base']}: tok/s {row['tps']}x "
                 f"TTFT p50 {row['ttft_p50']}x ITL p50 {row['itl_p50']}x ({row['rounds']} rounds) "
                 f"hit rates {row['fleet_hit_rate']}")
-        for a in acceptance(ratios(res["runs"])):
-            log(f"acceptance {a}")
+        for routed in ("cache_aware", KV_EVENTS):
+            for a in acceptance(ratios(res["runs"]), routed):
+                log(f"acceptance {routed} {a}")
     except Exception as exc:  # noqa: BLE001 - recorded; what was measured before it is kept
         res["exception"] = f"{type(exc).__name__}: {exc}"
         log(f"failed: {res['exception']}")

@@ -16,6 +16,9 @@ def assert_run_follows_from_its_counters(run: dict[str, Any], routed: float) -> 
         assert set(run["routing_decisions"]) == {"prefix", "load_bound"}
     elif cache_aware_variant(run["policy"]):  # cache_aware@F: a bound that may never bind
         assert "prefix" in run["routing_decisions"] and set(run["routing_decisions"]) <= {"prefix", "load_bound"}
+    elif run["policy"] == "kv_events":  # the longest match, past the bound the next; no match at all
+        assert "prefix" in run["routing_decisions"]
+        assert set(run["routing_decisions"]) <= {"prefix", "load_bound", "no_match"}
     else:
         assert set(run["routing_decisions"]) == {run["policy"]}
     hits = sum(r["prefix_hits"] for r in run["replicas"].values())

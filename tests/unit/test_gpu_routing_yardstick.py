@@ -61,7 +61,7 @@ def test_engine_arguments_become_vllms_flags():
 
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--policies", f"round_robin,{YARDSTICK}"], "it needs --replica-per-gpu"),
-    (["--policies", "round_robin,fastest"], "each one of cache_aware, round_robin, least_loaded, vllm_dp"),
+    (["--policies", "round_robin,fastest"], "each one of cache_aware, round_robin, least_loaded, kv_events, vllm_dp"),
 ])
 def test_bad_policies_are_refused_before_anything_starts(tmp_path, capsys, argv: list[str], needle: str):
     with pytest.raises(SystemExit) as exited:
@@ -78,3 +78,16 @@ def test_a_runs_ttfts_are_kept_as_deciles_and_the_median_of_each_half():
     deciles = spread["ttft_ms_deciles"]
     assert len(deciles) == 9 and deciles[0] == 100.0 and deciles[-1] == 1000.0
     assert ttft_spread({"ttfts": [0.1] * 5}) == {} and ttft_spread({}) == {}
+
+
+def test_kv_events_is_compared_with_the_bases_and_cache_aware_and_has_its_own_acceptance():
+    runs = [_run("kv_events", 0, 1400.0, 40.0), _run("cache_aware", 0, 1300.0, 50.0),
+            _run("round_robin", 0, 1000.0, 100.0)]
+    rows = {(r["policy"], r["base"]): r for r in ratios(runs)}
+    assert set(rows) == {("kv_events", "round_robin"), ("kv_events", "cache_aware"), ("cache_aware", "round_robin")}
+    assert rows[("kv_events", "cache_aware")]["tps_rounds"] == [round(1400 / 1300, 4)]
+    verdicts = acceptance(list(rows.values()), "kv_events")
+    prefix64 = next(v for v in verdicts if v["workload"] == "prefix" and v["concurrency"] == 64)
+    assert (prefix64["tps"], prefix64["ttft_p50"], prefix64["held"]) == (1.4, 0.4, True)
+    assert next(v for v in acceptance(list(rows.values())) if v["concurrency"] == 64
+                and v["workload"] == "prefix")["tps"] == 1.3
