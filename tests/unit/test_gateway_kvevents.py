@@ -312,3 +312,28 @@ def test_the_gateway_tokenizes_a_prompt_as_the_backend_does(tiny_model: Path):
         assert mine == backends and mine, inputs
     assert gateway.ids({"messages": json.dumps([{"role": "user", "content": [{"type": "text", "text": "x"}]}])}) \
         is None
+
+
+def test_without_vllm_to_read_the_events_it_says_so_once_and_routes_by_key(tmp_path: Path, monkeypatch):
+    import llmhost.gateway.routing.kvevents as kvevents
+
+    def no_vllm() -> None:
+        raise ModuleNotFoundError("No module named 'vllm'")
+
+    monkeypatch.setattr(kvevents, "_load_decoder", no_vllm)
+    sock = tmp_path / "1-m_0.sock"
+    write_description(sock, {"endpoint": "ipc:///nowhere", "tokenizer": "/m", "max_model_len": 8})
+    said: list[str] = []
+
+    async def run() -> list[Any]:
+        index = KvEventsIndex(log=said.append)
+        out = []
+        for _ in range(5):
+            out.append(await index.matches({"a": [sock]}, Route(KV_EVENTS, line={"inputs": {"text_input": "x"}})))
+            await asyncio.sleep(0.05)
+        assert len(index._followers) <= 1
+        await index.close()
+        return out
+
+    assert asyncio.run(run()) == [None] * 5
+    assert len(said) == 1 and "No module named 'vllm'" in said[0] and "cache_aware" in said[0]

@@ -213,6 +213,7 @@ class KvEventsIndex:
         self.log = log
         self.tokenizer_threads = tokenizer_threads
         self._followers: dict[Path, asyncio.Task[None]] = {}
+        self._described: dict[Path, dict[str, Any]] = {}  # each followed engine's description
         self._decoder: asyncio.Task[tuple[Any, Any]] | None = None
         self._encoders: dict[str, asyncio.Task[PromptTokens]] = {}
         self._context: Any = None
@@ -223,7 +224,10 @@ class KvEventsIndex:
         loaded)."""
         if self._decoder is None:
             self._decoder = asyncio.create_task(asyncio.to_thread(_load_decoder))
-        ready = self._decoder.done() and self._decoder.exception() is None
+            self._decoder.add_done_callback(self._decoder_loaded)
+        if self._decoder.done() and (self._decoder.cancelled() or self._decoder.exception() is not None):
+            return False  # no vLLM to read the events with (logged once): requests route by their key
+        ready = self._decoder.done()
         for socket in sockets:
             task = self._followers.get(socket)
             if task is not None and not task.done():
@@ -233,17 +237,33 @@ class KvEventsIndex:
                 ready = False
                 continue
             self.engines[socket] = EngineBlocks()
-            self._followers[socket] = asyncio.create_task(self._follow(socket, description))
+            self._described[socket] = description
+            task = self._followers[socket] = asyncio.create_task(self._follow(socket, description))
+            task.add_done_callback(lambda t, s=socket: self._stopped(s, t))
             ready = False
         return ready and all(s in self.engines for s in sockets)
+
+    def _decoder_loaded(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.log(f"KV-cache events cannot be read here ({type(exc).__name__}: {exc}); "
+                     "kv_events routes as cache_aware")
+
+    def _stopped(self, socket: Path, task: asyncio.Task[None]) -> None:
+        """A follower ended other than by close(): said (unless the decoder could not load:
+        said once already), and followed again at the next look."""
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        decoder = self._decoder
+        if decoder is not None and decoder.done() and not decoder.cancelled() and decoder.exception() is not None:
+            return
+        self.log(f"KV-cache events of {socket}: stopped following ({type(exc).__name__}: {exc})")
 
     def prepare(self, sockets: Sequence[Path]) -> None:
         """Follow SOCKETS' engines and load their model's tokenizer, ahead of the first request."""
         if not sockets:
             return
         self.follow(sockets)
-        description = read_description(sockets[0])
-        if description is not None:
+        if (description := self._described.get(sockets[0])) is not None:
             self._encoder(description)
 
     async def _follow(self, socket: Path, description: dict[str, Any]) -> None:
@@ -296,8 +316,7 @@ class KvEventsIndex:
         the tokenizer loading) or at all (a prompt the engine will refuse, pictures)."""
         if not sockets or not self.follow(sockets):
             return None
-        description = read_description(sockets[0])
-        encoder = self._encoder(description) if description is not None else None
+        encoder = self._encoder(self._described[sockets[0]])
         if encoder is None:
             return None
         ids = await encoder.encode(line["inputs"])
