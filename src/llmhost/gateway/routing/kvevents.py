@@ -22,8 +22,9 @@ What it does not know: blocks stored before the gateway followed the engine (it 
 empty, and learns from the next events); events lost on the way (ZMQ drops them when
 the gateway is slow: those blocks match nowhere, or, evicted, somewhere they no longer
 are, and the request is served all the same). An engine that restarts starts its
-events' sequence again: its blocks are then forgotten. The policy applies among one
-host's engine sockets; between upstreams it routes as ``cache_aware`` does.
+events' sequence again: its blocks are then forgotten. The policy applies among this
+host's engines, whether the sockets of one upstream or upstreams of this host; with a
+remote upstream among the candidates it routes as ``cache_aware`` does.
 """
 
 from __future__ import annotations
@@ -312,10 +313,8 @@ class KvEventsIndex:
     async def prompt_blocks(self, sockets: Sequence[Path], line: dict[str, Any]) -> dict[int, list[bytes]] | None:
         """The names of the prompt's blocks, by block size (each of SOCKETS' engines'),
         for the request LINE (an engine socket's request: its ``inputs`` and
-        ``parameters``); None where that cannot be told yet (an engine not followed,
-        the tokenizer loading) or at all (a prompt the engine will refuse, pictures)."""
-        if not sockets or not self.follow(sockets):
-            return None
+        ``parameters``) and SOCKETS' engines, followed; None where that cannot be told
+        yet (the tokenizer loading) or at all (a prompt the engine will refuse, pictures)."""
         encoder = self._encoder(self._described[sockets[0]])
         if encoder is None:
             return None
@@ -340,7 +339,9 @@ class KvEventsIndex:
         if route.line is None or not groups or not all(groups.values()):
             return None
         every = [s for group in groups.values() for s in group]
-        if route.blocks is None or not self.follow(every):
+        if not self.follow(every):
+            return None
+        if route.blocks is None:
             route.blocks = await self.prompt_blocks(every, route.line)
         if route.blocks is None:
             return None

@@ -179,38 +179,27 @@ class Chooser:
             counter = self._turns.setdefault(turn, itertools.count())
             picked = sorted(targets, key=name)[next(counter) % len(targets)]
             reason = ROUND_ROBIN
-        elif policy == KV_EVENTS and route is not None and route.matches is not None and route.kind == "prefix":
-            picked, reason = _by_matches(route, targets, name, load)
         elif policy in KEYED and route is not None and route.key is not None:
             names = [name(t) for t in targets]
             loads = [load(t) for t in targets]
             bound = load_bound(loads, route.load_factor)
             order = rendezvous_order(route.key, names)
+            # kv_events: the longest run of the prompt's blocks first; among equals the key's order.
+            held = ([route.matches.get(n, 0) for n in names]
+                    if policy == KV_EVENTS and route.matches is not None and route.kind == "prefix" else None)
+            if held is not None:
+                order.sort(key=lambda i: -held[i])
             first = next((i for i in order if loads[i] < bound), order[0])
             picked = targets[first]
-            reason = route.kind if first == order[0] else "load_bound"
+            if first != order[0]:
+                reason = "load_bound"
+            elif held is not None:
+                reason = "prefix" if held[first] > 0 else "no_match"
+            else:
+                reason = route.kind
         else:
             picked = min(targets, key=lambda t: (load(t), name(t)))
             reason = "no_key" if policy in KEYED else LEAST_LOADED
         if route is not None:
             route.decided(reason)
         return picked
-
-
-def _by_matches(route: Route, targets: Sequence[T], name: Callable[[T], str], load: Callable[[T], int]
-                ) -> tuple[T, str]:
-    """kv_events: the target holding most of the prompt's leading blocks, and among
-    equals (none holding any, too) the first in the key's order, under the load bound;
-    past it the next in that order."""
-    matches = route.matches or {}
-    names = [name(t) for t in targets]
-    held = [matches.get(n, 0) for n in names]
-    loads = [load(t) for t in targets]
-    ranks = {i: r for r, i in enumerate(rendezvous_order(route.key, names) if route.key is not None
-                                        else sorted(range(len(names)), key=names.__getitem__))}
-    order = sorted(range(len(targets)), key=lambda i: (-held[i], ranks[i]))
-    bound = load_bound(loads, route.load_factor)
-    first = next((i for i in order if loads[i] < bound), order[0])
-    if first != order[0]:
-        return targets[first], "load_bound"
-    return targets[first], "prefix" if held[first] > 0 else "no_match"

@@ -220,8 +220,7 @@ class UpstreamPool:
         await asyncio.gather(*(self.check_member(m) for m in self.members))
         if self.kv_events is not None:
             for model in self.kv_events_models:
-                self.kv_events.prepare([s for m in self.members if callable(getattr(m.client, "engine_sockets", None))
-                                        for s in m.client.engine_sockets(model)])
+                self.kv_events.prepare([s for m in self.members for s in _engine_sockets(m, model)])
 
     async def _ensure_checked(self) -> None:
         unchecked = [m for m in self.members if not m.checked]
@@ -364,11 +363,7 @@ class UpstreamPool:
         members = self._candidates(model, exclude)
         if self.kv_events is None or len(members) < 2:
             return None
-        groups: dict[str, list[Path]] = {}
-        for m in members:
-            sockets = getattr(m.client, "engine_sockets", None)
-            groups[m.target] = sockets(model) if callable(sockets) else []
-        return await self.kv_events.matches(groups, route)
+        return await self.kv_events.matches({m.target: _engine_sockets(m, model) for m in members}, route)
 
     async def _wait(self, model: str, exclude: set[str], route: Route | None) -> Member:
         self.waiting += 1
@@ -459,6 +454,12 @@ def published_adapters(response: Any) -> tuple[str, ...]:
     if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
         return ()
     return tuple(names)
+
+
+def _engine_sockets(member: Member, model: str) -> list[Path]:
+    """MODEL's engine sockets on MEMBER's host, where it is this host (none for a remote upstream)."""
+    sockets = getattr(member.client, "engine_sockets", None)
+    return sockets(model) if callable(sockets) else []
 
 
 def _condition(member: Member) -> tuple[str, bool, bool]:

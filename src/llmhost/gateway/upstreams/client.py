@@ -369,8 +369,10 @@ class Upstream:
     async def generate(self, req: BackendRequest) -> AsyncIterator[Piece]:
         """The backend's responses for one request. Leaving the iteration early
         (an exception, a cancelled task, ``aclose``) cancels the upstream request."""
-        line = socket_line(req, uuid.uuid4().hex)
         route = req.route
+        # kv_events: the request's line was made for the routing already.
+        line = ({**route.line, "id": uuid.uuid4().hex} if route is not None and route.line is not None
+                else socket_line(req, uuid.uuid4().hex))
         if route is not None and route.policy == KV_EVENTS and route.kind == "prefix" and self.kv_events is not None:
             found = self.engine_sockets(req.model)
             route.matches = await self.kv_events.matches({s.name: [s] for s in found}, route) \
