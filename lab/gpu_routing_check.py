@@ -13,8 +13,9 @@ policy (in turn; the order reversed every other round) runs every workload of PL
   tokens, suffixes of --suffix-len tokens;
 * `random`: random prompts of prefix-len + suffix-len tokens;
 
---output-len tokens out, --ignore-eos, max(256, 4 x concurrency) requests, a seed of its
-own per run (so no run finds the prompts of an earlier one in the prefix caches). Per run:
+--output-len tokens out, --ignore-eos, max(256, 4 x concurrency) requests (or --prefix-requests,
+--random-requests), a seed of its own per run (so no run finds the prompts of an earlier one
+in the prefix caches). Per run:
 vLLM's numbers (and the TTFTs' deciles), each replica's prefix-cache hits and queries (Triton's metrics port:
 vllm:prefix_cache_hits_total / _queries_total), its requests and tokens, the gateway's
 routing decisions by reason, the client's and each process tree's CPU cores, the GPU's
@@ -351,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-requests", type=int, default=0,
                     help="requests a prefix run sends (0: max(256, 4 x concurrency)); many requests a prefix "
                          "measure the steady state rather than each prefix's first, cold computation")
+    ap.add_argument("--random-requests", type=int, default=0,
+                    help="requests a random run sends (0: max(256, 4 x concurrency)); more requests weigh the "
+                         "last wave, where one replica may finish alone, less")
     ap.add_argument("--kv-cache-gib", type=float, default=0.0,
                     help="each replica's KV cache in GiB (vLLM's kv_cache_memory_bytes; 0: what "
                          "--gpu-memory-utilization leaves): sized so one replica holds part of the prefix set "
@@ -404,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     skip = {tuple(x.split(":", 1)) for x in args.skip}
 
     def requests_of(workload: str, c: int) -> int:
-        return args.prefix_requests if workload == "prefix" and args.prefix_requests else requests_for(c)
+        asked = {"prefix": args.prefix_requests, "random": args.random_requests}[workload]
+        return asked or requests_for(c)
     input_len = args.prefix_len + args.suffix_len
     # Each replica's backend settings (`--setting`): kv_events where that policy runs.
     replica_settings = ["stream_interval_ms=0", *(["kv_events=true"] if KV_EVENTS in policies else [])]

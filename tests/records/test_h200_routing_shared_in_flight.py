@@ -29,7 +29,12 @@ import json
 
 from lab.gpu_routing_check import PLAN, acceptance, policy_order, ratios, seed_of
 from tests.harness.paths import FIXTURES, ROOT
-from tests.records._routing import assert_last_gateway_counted_its_round, assert_run_follows_from_its_counters
+from tests.records._routing import (
+    assert_last_gateway_counted_its_round,
+    assert_run_follows_from_its_counters,
+    assert_shipped_default_on_the_8b_shape,
+    ratio_line,
+)
 
 HOST = FIXTURES / "gpu" / "h200-580.159.04-real"
 RUN = HOST / "device-run-2026-12-04-routing-shared-in-flight"
@@ -44,20 +49,7 @@ def _res(run=RUN) -> dict:
 
 
 def test_the_default_with_the_hosts_counts_on_the_8b_shape_and_workloads():
-    res = _res()
-    assert res["gpu"] == "NVIDIA H200, 580.159.04" and res["vllm"] == "0.20.2"
-    assert res["model_shape"] == "qwen3-8b"
-    assert res["replicas"]["engine_args"]["kv_cache_memory_bytes"] == 16 * 2**30
-    assert res["workload"]["prefix"] == {"dataset": "prefix_repetition", "prefix_len": 2000, "suffix_len": 200,
-                                         "num_prefixes": 80}
-    assert res["workload"]["only"] == ["prefix:256", "prefix:64", "random:64"]
-    assert res["policies"] == list(POLICIES)
-    assert {tuple(x.split(":")) for x in res["workload"]["skipped_runs"]} == SKIPPED
-    assert res["routing_module"]["default_policy"] == "cache_aware" and res["routing_module"]["load_factor"] == 1.5
-    # Four workers, each weighing every worker's requests in flight.
-    assert res["gateway"]["workers"] == 4
-    assert "llmhost.gateway.routing.inflight" in res["gateway"]["loads_weighed"]
-    assert "exception" not in res and res["skipped"] == []
+    assert_shipped_default_on_the_8b_shape(_res(), ["prefix:256", "prefix:64", "random:64"], POLICIES, SKIPPED)
 
 
 def test_every_run_in_order_with_its_seed_and_the_last_counted_by_its_gateway():
@@ -109,7 +101,4 @@ def test_the_documented_table_is_the_records():
     doc = (ROOT / "docs" / "performance.md").read_text()
     assert "### The host's requests in flight, 2026-12-04" in doc
     for row in _res()["ratios"]:
-        rates = " / ".join(f"{row['fleet_hit_rate'][p]:.3f}" for p in (row["policy"], row["base"]))
-        line = (f"| {row['workload']} | {row['concurrency']} | {row['base']} | {row['rounds']} | "
-                f"{row['tps']:.2f}x | {row['ttft_p50']:.2f}x | {row['itl_p50']:.2f}x | {rates} |")
-        assert line in doc, line
+        assert ratio_line(row) in doc, ratio_line(row)
