@@ -41,6 +41,12 @@ def keys(*entries: dict[str, Any]) -> dict[str, Any]:
     return {"gateway_api_keys": list(entries)}
 
 
+def _publishing_events(name: str) -> list[dict[str, Any]]:
+    """inventory/demo.yml's models, NAME's engines publishing their KV-cache events."""
+    return [{**m, "settings": {**(m.get("settings") or {}), "kv_events": True}} if m["name"] == name else m
+            for m in load_yaml(REPO / "inventory" / "demo.yml")["llmhost_models"]]
+
+
 # Settings that pass preflight, by the test that runs them.
 PASSING: dict[str, dict[str, Any]] = {
     "demo": {},
@@ -56,6 +62,9 @@ PASSING: dict[str, dict[str, Any]] = {
                           "gateway_model_routing": {"embed": "least_loaded", "tiny": "cache_aware"},
                           "gateway_routing_prefix_chars": 512, "gateway_routing_load_factor": 2,
                           "gateway_routing_session_user": True},
+    "kv_events of a model that publishes them": {**keys({"name": "a", "key": KEY}),
+                                                 "llmhost_models": _publishing_events("tiny"),
+                                                 "gateway_model_routing": {"tiny": "kv_events"}},
 }
 
 
@@ -161,6 +170,12 @@ CASES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
      ("gateway_model_routing", "llama")),
     ("unknown model routing policy", {**keys({"name": "a", "key": KEY}), "gateway_model_routing": {"tiny": "random"}},
      ("gateway_model_routing", "random")),
+    ("kv_events of a model that publishes none", {**keys({"name": "a", "key": KEY}),
+                                                  "gateway_model_routing": {"tiny": "kv_events"}},
+     ("routes tiny by kv_events", "settings: {kv_events: true}")),
+    ("kv_events for every model, one publishing", {**keys({"name": "a", "key": KEY}), "gateway_routing": "kv_events",
+                                                   "llmhost_models": _publishing_events("tiny")},
+     ("routes embed by kv_events", "gateway_routing: kv_events", "another policy in gateway_model_routing")),
     ("routing load factor under 1", {**keys({"name": "a", "key": KEY}), "gateway_routing_load_factor": 0.5},
      ("gateway_routing_load_factor", ">= 1")),
     ("routing prefix chars zero", {**keys({"name": "a", "key": KEY}), "gateway_routing_prefix_chars": 0},
@@ -239,6 +254,9 @@ RENDERS: dict[str, dict[str, Any]] = {
                           "gateway_model_routing": {"tiny": "cache_aware", "embed": "round_robin"},
                           "gateway_routing_prefix_chars": 2048, "gateway_routing_load_factor": 1.75,
                           "gateway_routing_session_user": True},
+    "kv_events of a model that publishes them": {**keys({"name": "a", "key": KEY}),
+                                                 "llmhost_models": _publishing_events("tiny"),
+                                                 "gateway_model_routing": {"tiny": "kv_events"}},
 }
 
 # Renders every host's files into the folder of its host var _render_dir. The role's
@@ -568,6 +586,10 @@ def test_preflight_passes_routing_settings_of_served_models(passing_runs: dict[s
     run = passing_runs["routing per model"]
     assert run.rc == 0, run.output
     assert "Assert gateway_model_routing gives served models a routing policy" in run.output
+    # kv_events where the model's engines publish their events.
+    run = passing_runs["kv_events of a model that publishes them"]
+    assert run.rc == 0, run.output
+    assert "Assert the models routed by kv_events publish their KV-cache events" in run.output
 
 
 def test_the_unit_routes_cache_aware_by_default(renders: dict[str, Rendered]) -> None:
@@ -578,6 +600,20 @@ def test_the_unit_routes_cache_aware_by_default(renders: dict[str, Rendered]) ->
                  "  --routing-load-factor 1.5 \\\n"):
         assert want in unit, want
     assert "--model-routing" not in unit and "--routing-session-user" not in unit
+
+
+def test_kv_events_lets_libzmq_set_its_threads_scheduling(renders: dict[str, Rendered]) -> None:
+    """A model routed by kv_events: the gateway reads the engines' events with libzmq, whose
+    I/O thread sets its own scheduling (sched_setscheduler, of @resources) as it starts and
+    aborts where it may not; without kv_events the unit keeps the whole filter."""
+    case = renders["kv_events of a model that publishes them"]
+    assert case.run.rc == 0, case.run.output
+    unit = case.read("unit")
+    assert "  --model-routing tiny=kv_events \\\n" in unit, unit
+    assert "SystemCallFilter=~@privileged @resources\n" in unit
+    assert "\nSystemCallFilter=sched_setscheduler\n" in unit.split("SystemCallFilter=~@privileged @resources", 1)[1]
+    for name in ("plain", "routing per model", "hardened"):
+        assert "sched_setscheduler" not in renders[name].read("unit"), name
 
 
 def test_the_unit_renders_the_routing_settings(renders: dict[str, Rendered]) -> None:

@@ -138,8 +138,8 @@ def test_cache_aware_routing_reaches_the_ideal_hit_rate_and_beats_round_robin(
 
 def test_kv_events_routing_follows_the_engines_caches(replicas: Server, tiny_model: Path, tmp_path: Path) -> None:
     """The engines publish their KV-cache events (the backend's kv_events setting); a
-    gateway routing by them sends each prefix's later requests where its blocks are, and
-    a prompt nobody holds to the least loaded."""
+    gateway routing by them sends each prefix's later requests where its blocks are, a
+    prompt nobody holds by its key, and says in its log that it follows both engines."""
     from transformers import AutoTokenizer
 
     from llmhost.kv_events.sockets import read_description
@@ -178,6 +178,10 @@ def test_kv_events_routing_follows_the_engines_caches(replicas: Server, tiny_mod
         after = _decisions(gw)
     finally:
         stop_gateway(gw.proc, gw.log)
+    said = gw.log.read_text()
+    for sock in sockets:
+        assert f"KV-cache events of {sock}: following (" in said, said[-3000:]
+    assert "loaded for kv_events" in said and "stopped following" not in said, said[-3000:]
     moved = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     print(f"fleet prefix-cache hit rate: kv_events {followed:.3f} (ideal {ideal:.3f}); decisions {moved}")
     assert sum(moved.values()) == PREFIXES * REQUESTS_PER_PREFIX, moved

@@ -30,7 +30,11 @@ METRICS_ADDRESS = "127.0.0.2"
 # The booted hosts serve inventory/demo.yml's models but its embedding model (vLLM's
 # pooling runner): the fault tests bound the recovery of one engine on 2 shared cores.
 # `make demo` serves both; the embeddings path is tested in tests/e2e/test_embeddings.py.
-HOST_MODELS = [m for m in yaml.safe_load((ROOT / "inventory" / "demo.yml").read_text())["llmhost_models"]
+# The chat model's engines publish their KV-cache events (its setting kv_events), which
+# the session's host routes it by (conftest.py): the gateway follows them under its unit's
+# hardening.
+HOST_MODELS = [{**m, "settings": {**(m.get("settings") or {}), "kv_events": True}}
+               for m in yaml.safe_load((ROOT / "inventory" / "demo.yml").read_text())["llmhost_models"]
                if (m.get("engine_args") or {}).get("runner") != "pooling"]
 
 

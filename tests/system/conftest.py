@@ -65,5 +65,7 @@ def booted_host() -> Iterator[BootedHost]:
 
 @pytest.fixture(scope="package")
 def converged(booted_host: BootedHost, tmp_path_factory: pytest.TempPathFactory) -> Converged:
-    """site.yml converged once into ``booted_host`` (profile cpu, the tiny model, monitoring)."""
-    return converge(booted_host, tmp_path_factory.mktemp("converge"))
+    """site.yml converged once into ``booted_host`` (profile cpu, the tiny model, monitoring),
+    its gateway routing the tiny model by the engine's KV-cache events."""
+    return converge(booted_host, tmp_path_factory.mktemp("converge"),
+                    overrides={"gateway_model_routing": {"tiny": "kv_events"}})

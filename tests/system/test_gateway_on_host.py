@@ -4,8 +4,9 @@ official `openai` client gets a completion; no key: 401), the OpenAI API as
 applications use it against the demo's models (logprobs, tools and a tool-result
 turn, structured output, token-id prompts, echo, n, seed, stop_token_ids,
 max_completion_tokens), its metrics scraped by
-the host's Prometheus, a keys file that holds hashes only, and streams through the
-local Triton's engine sockets, which the gateway's group may use and nobody else.
+the host's Prometheus, a keys file that holds hashes only, streams through the
+local Triton's engine sockets, which the gateway's group may use and nobody else, and
+the engine's KV-cache events followed under the unit's hardening (kv_events routing).
 
 The converge (tests/system/_converge.py) passes the key as `make demo` does: a
 0600 file whose path inventory/demo.yml reads (gateway_demo_key_file)."""
@@ -33,8 +34,9 @@ MODEL = "tiny"
 KEYS_FILE = "/etc/llmhost/llmhost-gateway-keys.json"
 ADMIN_KEY_FILE = "/etc/llmhost/llmhost-gateway-admin-key"
 # `systemd-analyze security llmhost-gateway` measured on the booted Debian 12 host
-# (systemd 252): 1.2; test_security.py compares it with the unit without its
-# hardening block. The bound leaves room for systemd versions that score a little
+# (systemd 252): 1.2, and 1.4 as the session's host runs it, with a model routed by
+# kv_events (sched_setscheduler allowed); test_security.py compares it with the unit
+# without its hardening block. The bound leaves room for systemd versions that score a little
 # differently.
 EXPOSURE_MAX = 1.5
 
@@ -206,6 +208,37 @@ def test_streams_go_through_the_engine_socket_only_the_gateway_may_use(converged
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8, chunks[-1]
     assert "".join(c.choices[0].text for c in events) == whole.choices[0].text
     assert lines() == before + len(events)  # each event a line of the engine socket
+
+
+def test_the_gateway_follows_the_engines_kv_cache_events_under_its_hardening(converged: Converged):
+    """The session's host routes tiny by kv_events (tests/system/conftest.py) and tiny's
+    engine publishes its KV-cache events: the gateway, under its unit's system-call filter
+    (which would abort libzmq's I/O thread without sched_setscheduler), follows the engine
+    once it stores blocks, with the engine's tokenizer, and stays up."""
+    import openai
+
+    host = converged.host
+    unit = host.exec(["cat", f"/etc/systemd/system/{SERVICE}"], check=True).stdout
+    assert "  --model-routing tiny=kv_events \\\n" in unit and "\nSystemCallFilter=sched_setscheduler\n" in unit
+    folder = f"/run/tritonserver/engine/{MODEL}"
+    found = host.exec(["find", folder, "-name", "*.kv*", "-printf", "%m %u %g %f\\n"], check=True).stdout.split("\n")
+    modes = sorted(line.split(" ", 1)[0] + line.rsplit(".", 1)[-1] for line in found if line)
+    assert modes == ["640json", "660kv"], found  # the description and the socket, for the gateway's group
+    before = props(host, "MainPID", "NRestarts", unit=UNIT)
+    client = openai.OpenAI(base_url=_base(converged), api_key=_key(converged), timeout=120, max_retries=0)
+    document = "\n".join(f"    def handler_{n}(self):\n        return self.value_{n}" for n in range(20))
+    for question in range(2):
+        client.completions.create(model=MODEL, prompt=f"{document}\n# question {question}", max_tokens=2)
+
+    def said() -> str:
+        return host.exec(["journalctl", "--no-pager", "-o", "cat", "-u", UNIT]).stdout
+
+    assert wait_until(lambda: f"KV-cache events of {folder}/" in said(), 180, every_s=3), said()[-3000:]
+    journal = said()
+    assert re.search(rf"KV-cache events of {folder}/1-{MODEL}_0_0\.sock: following \(\d+ blocks held\)", journal)
+    assert "loaded for kv_events" in journal, journal[-3000:]
+    assert "cannot be read here" not in journal and "stopped following" not in journal, journal[-3000:]
+    assert props(host, "MainPID", "NRestarts", unit=UNIT) == before
 
 
 # -- The OpenAI API as applications use it, with the official client --------------------

@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import platform
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import vllm.distributed.kv_events as kv
 
 from llmhost.gateway.config import GatewayConfig
@@ -141,8 +146,10 @@ def test_the_index_follows_vllms_publisher_and_tokenizes_as_the_engine(tiny_mode
     ids = tok.encode(prompt, add_special_tokens=True)
     whole = len(ids) // BS * BS
 
+    said: list[str] = []
+
     async def run() -> dict[str, int] | None:
-        index = KvEventsIndex()
+        index = KvEventsIndex(log=said.append)
         publishers = [kv.ZmqEventPublisher(0, endpoint=events_config(s)["endpoint"], topic="kv-events")
                       for s in sockets]
         line = {"inputs": {"text_input": prompt}, "parameters": {}}
@@ -175,6 +182,11 @@ def test_the_index_follows_vllms_publisher_and_tokenizes_as_the_engine(tiny_mode
             await index.close()
 
     assert asyncio.run(run()) == {"1-m_0.sock": 0, "1-m_1.sock": whole // BS}
+    # What the operator reads: the tokenizer loaded, and each engine followed once its
+    # first batch is read (engine 0 published none).
+    assert said[0] == f"tokenizer {tiny_model}: loaded for kv_events", said
+    followed = [line for line in said if "following" in line]
+    assert len(followed) == 1 and followed[0].startswith(f"KV-cache events of {sockets[1]}: following ("), said
 
 
 def test_a_description_is_written_whole_and_read_back(tmp_path: Path):
@@ -337,3 +349,52 @@ def test_without_vllm_to_read_the_events_it_says_so_once_and_routes_by_key(tmp_p
 
     assert asyncio.run(run()) == [None] * 5
     assert len(said) == 1 and "No module named 'vllm'" in said[0] and "cache_aware" in said[0]
+
+
+# A process that may not call sched_setscheduler (EPERM), as systemd's
+# SystemCallFilter=~@resources makes it: a seccomp filter of its own, installed first.
+_DENY_SCHED_SETSCHEDULER = '''
+import ctypes, errno, platform, struct
+NR = {"x86_64": 144, "aarch64": 119}[platform.machine()]
+code = [(0x20, 0, 0, 0), (0x15, 0, 1, NR), (0x06, 0, 0, 0x00050000 | errno.EPERM), (0x06, 0, 0, 0x7FFF0000)]
+program = b"".join(struct.pack("HBBI", *c) for c in code)
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+assert libc.prctl(22, 2, ctypes.byref(Prog(len(code), program)), 0, 0) == 0, ctypes.get_errno()  # a filter
+'''
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="the filter knows x86_64 and aarch64")
+def test_where_threads_may_not_set_their_scheduling_it_says_so_instead_of_aborting(tmp_path: Path):
+    """libzmq aborts the whole process where its I/O thread may not set its scheduling
+    (the gateway under systemd's SystemCallFilter=~@resources died so); the index asks
+    first, says once that it cannot read events there, and routes by key."""
+    aborted = subprocess.run([sys.executable, "-c", _DENY_SCHED_SETSCHEDULER +
+                              "import zmq\nzmq.Context().socket(zmq.SUB).connect('ipc:///nowhere')\nprint('alive')"],
+                             capture_output=True, text=True, timeout=120)
+    assert aborted.returncode == -signal.SIGABRT and "alive" not in aborted.stdout, aborted
+    assert "Operation not permitted" in aborted.stderr, aborted.stderr
+    sock = tmp_path / "1-m_0.sock"
+    write_description(sock, {"endpoint": f"ipc://{tmp_path}/1-m_0.kv", "tokenizer": "/m", "max_model_len": 8})
+    guarded = subprocess.run([sys.executable, "-c", _DENY_SCHED_SETSCHEDULER + f'''
+import asyncio, json
+from pathlib import Path
+from llmhost.gateway.routing.kvevents import KvEventsIndex
+from llmhost.gateway.routing.policies import KV_EVENTS, Route
+said = []
+async def run():
+    index = KvEventsIndex(log=said.append)
+    out, line = [], {{"inputs": {{"text_input": "x"}}}}
+    for _ in range(40):
+        out.append(await index.matches({{"a": [Path({str(sock)!r})]}}, Route(KV_EVENTS, line=line)))
+        await asyncio.sleep(0.05)
+    await index.close()
+    return out
+print(json.dumps({{"matches": asyncio.run(run()), "said": said}}))
+'''], capture_output=True, text=True, timeout=300)
+    assert guarded.returncode == 0, guarded.stderr[-3000:]
+    out = json.loads(guarded.stdout.splitlines()[-1])
+    assert out["matches"] == [None] * 40, out
+    assert len(out["said"]) == 1 and "sched_setscheduler" in out["said"][0] and "cache_aware" in out["said"][0], out

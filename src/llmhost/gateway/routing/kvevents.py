@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import sys
 from array import array
 from collections.abc import Callable, Sequence
@@ -133,8 +134,22 @@ class EngineBlocks:
         return n
 
 
+def _check_thread_scheduling() -> None:
+    """libzmq's I/O thread sets its own scheduling as it starts (pthread_setschedparam, to
+    what it already is) and aborts the whole process where the system refuses that (a
+    seccomp filter such as systemd's ``SystemCallFilter=~@resources``): ask the same for
+    this thread first, and raise where it is refused."""
+    try:
+        os.sched_setscheduler(0, os.sched_getscheduler(0), os.sched_getparam(0))
+    except OSError as exc:
+        raise PermissionError(exc.errno, "this process may not set its threads' scheduling (sched_setscheduler), "
+                              "which libzmq's I/O thread does as it starts") from exc
+
+
 def _load_decoder() -> tuple[Any, Any]:
-    """(pyzmq's asyncio module, a decoder of vLLM's event batches), imported off the event loop."""
+    """(pyzmq's asyncio module, a decoder of vLLM's event batches), imported off the event
+    loop, where libzmq can start its I/O thread."""
+    _check_thread_scheduling()
     import msgspec
     import zmq.asyncio
     from vllm.distributed.kv_events import KVEventBatch
@@ -279,6 +294,7 @@ class KvEventsIndex:
         sub.setsockopt(zmq.SUBSCRIBE, str(description.get("topic", "")).encode())
         sub.connect(description["endpoint"])
         blocks = self.engines[socket]
+        said = False
         try:
             while True:
                 frames = await sub.recv_multipart()
@@ -291,6 +307,9 @@ class KvEventsIndex:
                     continue
                 blocks.sequence(int.from_bytes(frames[1], "big"))
                 blocks.apply(batch.events)
+                if not said:  # the first batch read: the operator's sign that kv_events sees this engine
+                    said = True
+                    self.log(f"KV-cache events of {socket}: following ({len(blocks.held)} blocks held)")
         finally:
             sub.close(linger=0)
 
@@ -301,6 +320,7 @@ class KvEventsIndex:
         if task is None:
             async def load() -> PromptTokens:
                 tokenizer = await asyncio.to_thread(_load_tokenizer, description)
+                self.log(f"tokenizer {description['tokenizer']}: loaded for kv_events")
                 return PromptTokens(tokenizer, self.tokenizer_threads)
 
             task = self._encoders[key] = asyncio.create_task(load())
