@@ -268,8 +268,9 @@ def test_follower_whose_head_went_away_exits_to_join_the_next_engine(nodes: TwoN
     triton.kill()  # the head host's server dies; `llmhost serve` starts it again
     assert wait_until(lambda: len(unit.exits) > exits, HEAD_GONE_BOUND_S), _story(nodes)
     assert unit.exits[exits] == EXIT_HEAD_GONE, _story(nodes)
-    # The unit started it again; it joins the head's next engine.
-    assert wait_until(lambda: head.log.read_text(errors="replace").count(SERVE_READY) > served, READY_TIMEOUT_S,
-                      every_s=1), _story(nodes)
+    # `llmhost serve` started it again; the follower joins the head's next engine.
+    wait_until(lambda: head.log.read_text(errors="replace").count(SERVE_READY) > served or head.proc.poll() is not None,
+               READY_TIMEOUT_S, every_s=1)
+    assert head.log.read_text(errors="replace").count(SERVE_READY) > served, _story(nodes)
     assert head.model_ready(), _story(nodes)
     assert _generate(nodes).startswith("hello")

@@ -234,6 +234,14 @@ if first == "stuck" and not marker.exists():  # the model initialised, the serve
     s = socket.socket(socket.AF_UNIX)
     s.bind(str(marker.parent / "engine" / "tiny" / "1-tiny_0.sock"))
     time.sleep(3600)
+if first == "dies-then-aborts":  # served, killed; the next start aborts before it answers; the third serves
+    starts = int(marker.read_text()) + 1 if marker.exists() else 1
+    marker.write_text(str(starts))
+    import os, signal, threading, time
+    if starts == 1:
+        threading.Thread(target=lambda: (time.sleep(3), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
+    elif starts == 2:
+        os.abort()
 model_status = "400" if first == "model-fails" else "200"
 sys.argv = ["answering", port, model_status]
 exec(Path(answering).read_text())
@@ -294,6 +302,27 @@ def test_serve_kills_a_start_whose_model_initialised_but_that_never_answers(tmp_
         out = _stop(proc)
     assert "every model instance initialised" in out and "taken as a start that hangs" in out, out
     assert "within 120 s" not in out and "llmhost serve: ready." in out, out
+    assert proc.returncode == 0, out
+
+
+def test_serve_restarts_a_start_that_fails_before_it_is_ready_once_the_server_has_served(tmp_path):
+    """Served, killed; its next start aborts before it answers (as Triton's python backend
+    can, on a lock a killed stub held): a transient failure, restarted within the limit."""
+    proc, port = _serve(tmp_path, "dies-then-aborts")
+    marker = tmp_path / "marker"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (
+                marker.exists() and marker.read_text() == "3" and startcheck.answers(f"http://127.0.0.1:{port}")):
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.2)
+        assert marker.read_text() == "3"
+        time.sleep(1.5)  # serve's readiness poll is once a second
+    finally:
+        out = _stop(proc)
+    assert "was killed by SIGKILL; restarting it" in out, out
+    assert "was killed by SIGABRT before it was ready (it had served before); restarting it" in out, out
+    assert out.count("llmhost serve: ready.") == 2 and "not restarting" not in out, out
     assert proc.returncode == 0, out
 
 

@@ -301,7 +301,9 @@ def run(opts: ServeOptions, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ma
         stuck_after_s: float = STUCK_AFTER_S) -> int:
     """Run tritonserver until SIGINT/SIGTERM; like systemd with Restart=always, a
     tritonserver that exits unasked after it was ready is restarted (after its
-    leftovers are reaped), at most MAX_RESTARTS times within RESTART_INTERVAL_S.
+    leftovers are reaped), at most MAX_RESTARTS times within RESTART_INTERVAL_S; so
+    is one that fails before it is ready once a start of it has served (only a first
+    start that fails is taken as a configuration that would fail again).
     Like the unit's start check (llmhost.server.startcheck), one that does not
     answer at all within START_TIMEOUT_S is taken as a start that hangs: it is
     killed and started again, within the same limit; so is one whose model instances
@@ -366,6 +368,7 @@ def run(opts: ServeOptions, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ma
 
     limit = RestartLimit(max_restarts, RESTART_INTERVAL_S)
     restarts = 0
+    served_once = False
     while True:
         print(f"llmhost serve: starting tritonserver for model '{opts.name}' ({workdir})", flush=True)
         remove_stop_files(stop_file)
@@ -385,11 +388,18 @@ def run(opts: ServeOptions, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ma
         if stopping.is_set():
             return 0 if rc in (0, -signal.SIGTERM) else rc
         why = hung[0] if hung else exit_reason(rc)
-        if not served.is_set() and not hung:
-            # A start that failed (a port in use, a model that does not load) would fail again.
-            print(f"llmhost serve: tritonserver {why} before it was ready; not restarting it",
-                  file=sys.stderr, flush=True)
-            return rc if rc > 0 else 1
+        if served.is_set():
+            served_once = True
+        elif not hung:
+            if not served_once:
+                # A first start that failed (a port in use, a model that does not load) would fail again.
+                print(f"llmhost serve: tritonserver {why} before it was ready; not restarting it",
+                      file=sys.stderr, flush=True)
+                return rc if rc > 0 else 1
+            # The same server served before: a later start that fails is restarted within
+            # the limit, as the unit's Restart=always does (what a killed instance left, a
+            # peer host not back yet, may fail one start).
+            why = f"{why} before it was ready (it had served before)"
         if not limit.allow(time.monotonic()):
             print(f"llmhost serve: tritonserver {why}; not restarting it: {max_restarts} restart(s) within "
                   f"{RESTART_INTERVAL_S:g} s already", file=sys.stderr, flush=True)
