@@ -191,6 +191,56 @@ def test_kv_events_routing_follows_the_engines_caches(replicas: Server, tiny_mod
     assert 0.9 * ideal <= followed <= ideal + 0.01, (followed, ideal)
 
 
+def test_a_gateway_started_later_learns_the_engines_caches_from_their_replay(
+        replicas: Server, tmp_path: Path) -> None:
+    """The engines keep their recent KV-cache events for replay: a gateway started after
+    they computed some documents routes each document's next request where its blocks
+    are (reason "prefix"), having seen none of those events as they were published."""
+    assert replicas.engine_sockets is not None
+    sockets = sorted((replicas.engine_sockets / replicas.name).glob("*.sock"))
+    (tmp_path / "first").mkdir()
+    first = _gateway(replicas, tmp_path / "first", "--routing", "round_robin")
+    try:
+        with httpx.Client(base_url=first.url, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=CLIENT_TIMEOUT_S) as c:
+            for i in range(PREFIXES):
+                r = c.post("/completions", json={"model": replicas.name, "prompt": f"{_prefix(i, 'replayed')}\n# 0",
+                                                  "max_tokens": 1})
+                assert r.status_code == 200, r.text
+    finally:
+        stop_gateway(first.proc, first.log)
+    (tmp_path / "later").mkdir()
+    gw = _gateway(replicas, tmp_path / "later", "--routing", "kv_events")
+    try:
+        deadline = time.monotonic() + 300
+        n = 0
+        with httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=CLIENT_TIMEOUT_S) as c:
+            # Prompts shorter than a block, until the gateway follows both engines (each
+            # one's replay read): then such a prompt is "no_match".
+            while not _decisions(gw).get("no_match"):
+                assert time.monotonic() < deadline, (_decisions(gw), gw.log.read_text()[-3000:])
+                r = c.post("/completions", json={"model": replicas.name, "prompt": f"short {n}", "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                n += 1
+                time.sleep(0.5)
+            before = _decisions(gw)
+            for i in range(PREFIXES):
+                r = c.post("/completions", json={"model": replicas.name, "prompt": f"{_prefix(i, 'replayed')}\n# 1",
+                                                  "max_tokens": 1})
+                assert r.status_code == 200, r.text
+            after = _decisions(gw)
+    finally:
+        stop_gateway(gw.proc, gw.log)
+    said = gw.log.read_text()
+    moved = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    print(f"a gateway started later: decisions {moved}")
+    assert moved.get("prefix", 0) == PREFIXES, (moved, said[-3000:])
+    replayed = re.findall(r"KV-cache events of (\S+): following \((\d+) blocks held, (\d+) batches replayed\)", said)
+    assert {Path(s) for s, _, _ in replayed} == set(sockets), said[-3000:]
+    assert all(int(held) > 0 and int(batches) > 0 for _, held, batches in replayed), replayed
+    assert "stopped answering" not in said and "stopped following" not in said, said[-3000:]
+
+
 def test_multi_turn_bench_pins_each_conversation_by_its_session(replicas: Server, tmp_path: Path) -> None:
     """`llmhost bench --turns 3` through the gateway: every turn resends its history with
     the conversation's x-session-id, and the gateway routes each by that session."""

@@ -223,7 +223,8 @@ def test_the_gateway_follows_the_engines_kv_cache_events_under_its_hardening(con
     folder = f"/run/tritonserver/engine/{MODEL}"
     found = host.exec(["find", folder, "-name", "*.kv*", "-printf", "%m %u %g %f\\n"], check=True).stdout.split("\n")
     modes = sorted(line.split(" ", 1)[0] + line.rsplit(".", 1)[-1] for line in found if line)
-    assert modes == ["640json", "660kv"], found  # the description and the socket, for the gateway's group
+    # The description, the events' socket and their replay's, for the gateway's group.
+    assert modes == ["640json", "660kv", "660replay"], found
     before = props(host, "MainPID", "NRestarts", unit=UNIT)
     client = openai.OpenAI(base_url=_base(converged), api_key=_key(converged), timeout=120, max_retries=0)
     document = "\n".join(f"    def handler_{n}(self):\n        return self.value_{n}" for n in range(20))
@@ -235,9 +236,11 @@ def test_the_gateway_follows_the_engines_kv_cache_events_under_its_hardening(con
 
     assert wait_until(lambda: f"KV-cache events of {folder}/" in said(), 180, every_s=3), said()[-3000:]
     journal = said()
-    assert re.search(rf"KV-cache events of {folder}/1-{MODEL}_0_0\.sock: following \(\d+ blocks held\)", journal)
+    assert re.search(rf"KV-cache events of {folder}/1-{MODEL}_0_0\.sock: following \(\d+ blocks held"
+                     r"(, \d+ batches replayed)?\)", journal)
     assert "loaded for kv_events" in journal, journal[-3000:]
-    assert "cannot be read here" not in journal and "stopped following" not in journal, journal[-3000:]
+    for trouble in ("cannot be read here", "stopped following", "stopped answering"):
+        assert trouble not in journal, journal[-3000:]
     assert props(host, "MainPID", "NRestarts", unit=UNIT) == before
 
 

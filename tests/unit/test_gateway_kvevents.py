@@ -11,6 +11,7 @@ import platform
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +70,14 @@ def test_blocks_after_an_unknown_parent_offloaded_copies_and_a_restart_count_for
     engine = EngineBlocks()
     engine.apply(_through_the_wire([_stored([13], 99, PROMPT[8:12]), _stored([11], None, PROMPT[:4], medium="CPU")]))
     assert engine.matched(blocks) == 0 and not engine.held
-    engine.sequence(0)
+    assert engine.missed(0) is None
     engine.apply(_through_the_wire([_stored([11, 12, 13], None, PROMPT[:12])]))
-    engine.sequence(1)
+    engine.last_seq = 0
+    assert engine.missed(1) is None and engine.missed(5) == 1  # batches 1 to 4 did not come
     assert engine.matched(blocks) == 3
-    engine.sequence(0)  # the engine started again: its cache is empty
-    assert engine.matched(blocks) == 0
+    assert engine.missed(0) is None  # the engine started again: its cache is empty, its sequence anew
+    assert engine.matched(blocks) == 0 and engine.last_seq == -1
+    assert engine.missed(3) == 0
 
 
 def test_the_same_block_stored_twice_is_held_until_both_are_evicted():
@@ -122,6 +125,13 @@ def test_kv_events_routes_by_the_key_where_the_matches_are_not_known_or_a_sessio
     assert _pick(route, loads) == pinned and route.reason == "session"
 
 
+def _engines_publisher(engine_socket: Path) -> Any:
+    """The publisher vLLM's engine makes of the kv_events_config the backend gives it."""
+    from vllm.config import KVEventsConfig
+
+    return kv.EventPublisherFactory.create(KVEventsConfig(**events_config(engine_socket)), 0)
+
+
 class _ModelConfig:
     def __init__(self, tokenizer: Path) -> None:
         self.tokenizer, self.tokenizer_mode, self.tokenizer_revision = str(tokenizer), "auto", None
@@ -150,8 +160,7 @@ def test_the_index_follows_vllms_publisher_and_tokenizes_as_the_engine(tiny_mode
 
     async def run() -> dict[str, int] | None:
         index = KvEventsIndex(log=said.append)
-        publishers = [kv.ZmqEventPublisher(0, endpoint=events_config(s)["endpoint"], topic="kv-events")
-                      for s in sockets]
+        publishers = [_engines_publisher(s) for s in sockets]
         line = {"inputs": {"text_input": prompt}, "parameters": {}}
         groups = {s.name: [s] for s in sockets}
         try:
@@ -187,6 +196,90 @@ def test_the_index_follows_vllms_publisher_and_tokenizes_as_the_engine(tiny_mode
     assert said[0] == f"tokenizer {tiny_model}: loaded for kv_events", said
     followed = [line for line in said if "following" in line]
     assert len(followed) == 1 and followed[0].startswith(f"KV-cache events of {sockets[1]}: following ("), said
+
+
+class _Dropping:
+    """A publisher's PUB socket that drops the batches of the sequence numbers in DROP
+    (as ZMQ does for a reader too slow), the publisher keeping them for replay."""
+
+    def __init__(self, sock: Any, drop: set[int]) -> None:
+        self.sock, self.drop = sock, drop
+
+    def send_multipart(self, frames: Any, *args: Any, **kwargs: Any) -> Any:
+        if int.from_bytes(frames[1], "big") in self.drop:
+            return None
+        return self.sock.send_multipart(frames, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+def test_the_index_replays_what_the_engine_kept_what_it_missed_and_forgets_a_restarted_one(
+        tiny_model: Path, tmp_path: Path):
+    """vLLM's publisher on the addresses the backend gives it, its replay socket among
+    them: a gateway that starts following after the engine stored blocks learns them
+    from the replay; a batch the subscription missed is asked for again; an engine that
+    starts again (a new publisher, its sequence from 0) is forgotten, then learnt anew."""
+    from transformers import AutoTokenizer
+
+    sock = tmp_path / "m" / "1-m_0.sock"
+    sock.parent.mkdir()
+    write_description(sock, describe(sock, _ModelConfig(tiny_model)))
+    config = events_config(sock)
+    assert read_description(sock)["replay_endpoint"] == config["replay_endpoint"] == f"ipc://{tmp_path}/m/1-m_0.kv.replay"
+    prompt = "the same long document, read again and again, " * 8
+    ids = AutoTokenizer.from_pretrained(str(tiny_model)).encode(prompt, add_special_tokens=True)
+    whole = len(ids) // BS
+    hashes = list(range(1000, 1000 + whole))
+    said: list[str] = []
+
+    async def run() -> list[dict[str, int] | None]:
+        index = KvEventsIndex(log=said.append)
+        line = {"inputs": {"text_input": prompt}, "parameters": {}}
+        seen: list[dict[str, int] | None] = []
+
+        async def held(want: int, pub: Any, what: str) -> None:
+            for _ in range(400):
+                found = await index.matches({"e": [sock]}, Route(KV_EVENTS, line=line))
+                if found == {"e": want}:
+                    seen.append(found)
+                    return
+                if pub is not None:  # batches that change nothing, until the subscription reads them
+                    pub.publish(kv.KVEventBatch(ts=time.time(), events=[kv.BlockRemoved(block_hashes=[999_999],
+                                                                                        medium="GPU")]))
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"{what}: {found}; said {said}")
+
+        pub = _engines_publisher(sock)
+        try:
+            # Before the gateway follows, the engine stored the prompt's first two blocks.
+            pub.publish(kv.KVEventBatch(ts=1.0, events=[_stored(hashes[:2], None, ids[:2 * BS])]))
+            while not pub._buffer:
+                await asyncio.sleep(0.01)
+            await held(2, None, "the blocks stored before the gateway followed")
+            # The next batch is dropped on the way; the one after it comes.
+            pub._pub = _Dropping(pub._pub, {1})
+            pub.publish(kv.KVEventBatch(ts=1.0, events=[_stored(hashes[2:3], hashes[1], ids[2 * BS:3 * BS])]))
+            pub.publish(kv.KVEventBatch(ts=1.0, events=[_stored(hashes[3:], hashes[2], ids[3 * BS:whole * BS])]))
+            await held(whole, pub, "the blocks of a batch the subscription missed")
+            # The engine starts again: a new publisher, its cache holding the first block only.
+            pub.shutdown()
+            pub = _engines_publisher(sock)
+            # An engine publishes once it has loaded, long after the subscription reconnected
+            # (a tenth of a second): the sequence going back to 0 tells the gateway.
+            await asyncio.sleep(0.5)
+            pub.publish(kv.KVEventBatch(ts=2.0, events=[_stored(hashes[:1], None, ids[:BS])]))
+            await held(1, pub, "the blocks of the engine started again")
+            return seen
+        finally:
+            pub.shutdown()
+            await index.close()
+
+    assert asyncio.run(run()) == [{"e": 2}, {"e": whole}, {"e": 1}]
+    assert f"KV-cache events of {sock}: following (2 blocks held, 1 batches replayed)" in said, said
+    missed = [line for line in said if " missed (read too slowly), replayed by the engine" in line]
+    assert missed and missed[0].startswith(f"KV-cache events of {sock}: batches 1-"), said
+    assert not [line for line in said if "stopped answering" in line or "not understood" in line], said
 
 
 def test_a_description_is_written_whole_and_read_back(tmp_path: Path):

@@ -3,12 +3,16 @@
 With the backend setting ``kv_events`` and a folder of engine sockets, each model
 instance's engine publishes vLLM's KV-cache events (``kv_events_config``: a batch per
 engine step of the blocks it stored, the blocks it evicted, or that it dropped them
-all) on a ZMQ socket next to its engine socket, and, once the engine is up, writes a
-description beside it: the socket's address and what a gateway needs to tokenize a
-prompt as the engine does (the engine's tokenizer, its mode, max_model_len).
+all) on a ZMQ socket next to its engine socket, keeps its recent batches for a
+subscriber that missed some to ask for again (vLLM's replay socket), and, once the
+engine is up, writes a description beside them: their addresses and what a gateway
+needs to tokenize a prompt as the engine does (the engine's tokenizer, its mode,
+max_model_len).
 
 - ``<version>-<instance>.sock``: the engine socket (llmhost.backend.stream_socket);
 - ``<version>-<instance>.kv``: the events (ZMQ PUB over IPC, topic ``kv-events``);
+- ``<version>-<instance>.kv.replay``: their replay (ZMQ ROUTER over IPC: the batches
+  from a sequence number on, as far as the engine keeps them);
 - ``<version>-<instance>.kv.json``: the description.
 
 The gateway's ``kv_events`` routing (llmhost.gateway.routing.kvevents) reads them.
@@ -23,12 +27,18 @@ from typing import Any
 
 TOPIC = "kv-events"
 EVENTS_SUFFIX = ".kv"
+REPLAY_SUFFIX = ".kv.replay"
 DESCRIPTION_SUFFIX = ".kv.json"
 
 
 def events_socket(engine_socket: Path) -> Path:
     """Where the engine of ENGINE_SOCKET publishes its events."""
     return engine_socket.with_suffix(EVENTS_SUFFIX)
+
+
+def replay_socket(engine_socket: Path) -> Path:
+    """Where the engine of ENGINE_SOCKET answers requests to replay its events."""
+    return engine_socket.with_suffix(REPLAY_SUFFIX)
 
 
 def description_path(engine_socket: Path) -> Path:
@@ -39,13 +49,15 @@ def description_path(engine_socket: Path) -> Path:
 def events_config(engine_socket: Path) -> dict[str, Any]:
     """vLLM's kv_events_config (as model.json gives it) for the engine of ENGINE_SOCKET."""
     return {"enable_kv_cache_events": True, "publisher": "zmq",
-            "endpoint": f"ipc://{events_socket(engine_socket)}", "topic": TOPIC}
+            "endpoint": f"ipc://{events_socket(engine_socket)}",
+            "replay_endpoint": f"ipc://{replay_socket(engine_socket)}", "topic": TOPIC}
 
 
 def describe(engine_socket: Path, model_config: Any) -> dict[str, Any]:
     """The description of ENGINE_SOCKET's events, from its engine's vLLM ModelConfig."""
     return {
         "endpoint": f"ipc://{events_socket(engine_socket)}",
+        "replay_endpoint": f"ipc://{replay_socket(engine_socket)}",
         "topic": TOPIC,
         "tokenizer": str(model_config.tokenizer),
         "tokenizer_mode": str(getattr(model_config, "tokenizer_mode", "auto")),
@@ -57,11 +69,11 @@ def describe(engine_socket: Path, model_config: Any) -> dict[str, Any]:
 
 def write_description(engine_socket: Path, description: dict[str, Any]) -> None:
     """Write DESCRIPTION beside ENGINE_SOCKET whole (a reader never sees half of it), and
-    open the events' socket to the group, as the engine socket is (the engine bound it
+    open the events' sockets to the group, as the engine socket is (the engine bound them
     under the unit's umask)."""
-    events = events_socket(engine_socket)
-    if events.exists():
-        os.chmod(events, 0o660)
+    for events in (events_socket(engine_socket), replay_socket(engine_socket)):
+        if events.exists():
+            os.chmod(events, 0o660)
     path = description_path(engine_socket)
     part = path.with_name(path.name + ".part")
     part.write_text(json.dumps(description, indent=1) + "\n")
@@ -70,7 +82,7 @@ def write_description(engine_socket: Path, description: dict[str, Any]) -> None:
 
 
 def remove_description(engine_socket: Path) -> None:
-    for path in (description_path(engine_socket), events_socket(engine_socket)):
+    for path in (description_path(engine_socket), events_socket(engine_socket), replay_socket(engine_socket)):
         try:
             path.unlink()
         except FileNotFoundError:

@@ -18,11 +18,16 @@ blocks were evicted everywhere goes back to its home instead of to whoever is id
 (which, with caches that evict much, spread each prefix over every engine: measured in
 docs/performance.md).
 
-What it does not know: blocks stored before the gateway followed the engine (it starts
-empty, and learns from the next events); events lost on the way (ZMQ drops them when
-the gateway is slow: those blocks match nowhere, or, evicted, somewhere they no longer
-are, and the request is served all the same). An engine that restarts starts its
-events' sequence again: its blocks are then forgotten. The policy applies among this
+Each batch carries a sequence number. Where the engine's publisher keeps its recent
+batches for replay (the backend gives it a replay socket: ``replay_endpoint`` in the
+description), the gateway asks it for every batch it keeps as it starts following (a
+gateway started after the engine learns what its cache already holds), and for the
+batches it missed whenever the sequence skips some (ZMQ drops them for a slow reader).
+What it does not know: batches older than the publisher keeps (vLLM's ``buffer_steps``,
+10,000 steps), or lost where the engine keeps none: those blocks match nowhere, or,
+evicted, somewhere they no longer are, and the request is served all the same. An
+engine that restarts starts its events' sequence again: its blocks are then
+forgotten. The policy applies among this
 host's engines, whether the sockets of one upstream or upstreams of this host; with a
 remote upstream among the candidates it routes as ``cache_aware`` does.
 """
@@ -35,6 +40,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,11 +52,22 @@ ROOT = bytes(16)
 # The most tokens of a prompt the routing looks at: past them a longer match changes
 # little, and hashing them costs the gateway.
 MAX_ROUTED_TOKENS = 32768
+# A replay that sends nothing for this long is given up (the engine stopped meanwhile).
+REPLAY_TIMEOUT_S = 5.0
+# Replayed batches applied between two turns of the event loop.
+REPLAY_YIELD_EVERY = 256
+# At most one log line a minute per engine about the batches it replayed.
+REPLAY_LOG_EVERY_S = 60.0
 
 
 def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The name of a block of TOKENS that follows the block named PARENT (ROOT: first)."""
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def _digest(payload: bytes) -> bytes:
+    """What tells a batch from another of the same sequence number (its time is in it)."""
+    return hashlib.blake2b(payload, digest_size=8).digest()
 
 
 def prompt_blocks(ids: Sequence[int], block_size: int) -> list[bytes]:
@@ -72,17 +89,20 @@ class EngineBlocks:
         self.held: dict[bytes, int] = {}  # name -> how many of the engine's blocks have it
         self.block_size = 0
         self.last_seq = -1
+        self.replay_said = -REPLAY_LOG_EVERY_S  # when a replay of missed batches was last logged
 
     def clear(self) -> None:
         self.names.clear()
         self.held.clear()
 
-    def sequence(self, seq: int) -> None:
-        """Note a batch's sequence number; one not after the last means the engine
-        started again, and its cache with it."""
+    def missed(self, seq: int) -> int | None:
+        """Before the batch SEQ: the first batch missed before it, None where none was
+        (one not after the last means the engine started again: its cache is forgotten,
+        and its sequence starts over)."""
         if seq <= self.last_seq:
             self.clear()
-        self.last_seq = seq
+            self.last_seq = -1
+        return self.last_seq + 1 if seq > self.last_seq + 1 else None
 
     def apply(self, events: Sequence[Any]) -> None:
         """One batch's events (vLLM's BlockStored, BlockRemoved, AllBlocksCleared)."""
@@ -230,14 +250,15 @@ class KvEventsIndex:
         self.tokenizer_threads = tokenizer_threads
         self._followers: dict[Path, asyncio.Task[None]] = {}
         self._described: dict[Path, dict[str, Any]] = {}  # each followed engine's description
+        self._caught_up: set[Path] = set()  # engines whose kept events were replayed (or that keep none)
         self._decoder: asyncio.Task[tuple[Any, Any]] | None = None
         self._encoders: dict[str, asyncio.Task[PromptTokens]] = {}
         self._context: Any = None
 
     def follow(self, sockets: Sequence[Path]) -> bool:
         """Follow the events of each of SOCKETS' engines (from now on); whether every one
-        of them is followed already (its engine describes its events, and the decoder is
-        loaded)."""
+        of them is followed already (its engine describes its events, the decoder is
+        loaded, and what the engine kept of its earlier events is read)."""
         if self._decoder is None:
             self._decoder = asyncio.create_task(asyncio.to_thread(_load_decoder))
             self._decoder.add_done_callback(self._decoder_loaded)
@@ -254,10 +275,11 @@ class KvEventsIndex:
                 continue
             self.engines[socket] = EngineBlocks()
             self._described[socket] = description
+            self._caught_up.discard(socket)
             task = self._followers[socket] = asyncio.create_task(self._follow(socket, description))
             task.add_done_callback(lambda t, s=socket: self._stopped(s, t))
             ready = False
-        return ready and all(s in self.engines for s in sockets)
+        return ready and all(s in self._caught_up for s in sockets)
 
     def _decoder_loaded(self, task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and (exc := task.exception()) is not None:
@@ -293,25 +315,98 @@ class KvEventsIndex:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, str(description.get("topic", "")).encode())
         sub.connect(description["endpoint"])
+        replay = description.get("replay_endpoint")
+        replay = replay if isinstance(replay, str) and replay else None
         blocks = self.engines[socket]
         said = False
+        # The batches a replay applied (sequence number -> digest): the subscription
+        # receives them too, next, unless the engine started again meanwhile.
+        replayed: dict[int, bytes] = {}
         try:
+            if replay is not None:  # what the engine's cache holds already, as far as its publisher keeps
+                await self._replay(socket, replay, 0, blocks, decoder, replayed)
+                if replayed:
+                    said = True
+                    self.log(f"KV-cache events of {socket}: following ({len(blocks.held)} blocks held, "
+                             f"{len(replayed)} batches replayed)")
+            self._caught_up.add(socket)
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
                     continue
-                try:
-                    batch = decoder.decode(frames[2])
-                except Exception as exc:  # noqa: BLE001 - one batch it cannot read; the next may do
-                    self.log(f"KV-cache events of {socket}: a batch not understood ({exc})")
-                    continue
-                blocks.sequence(int.from_bytes(frames[1], "big"))
-                blocks.apply(batch.events)
+                seq = int.from_bytes(frames[1], "big")
+                if replayed:
+                    if replayed.get(seq) == _digest(frames[2]):
+                        continue
+                    replayed.clear()  # past the replayed ones: no more of them come
+                first = blocks.missed(seq)
+                if first is not None and replay is not None:
+                    oldest = await self._replay(socket, replay, first, blocks, decoder, replayed)
+                    self._say_replayed(socket, blocks, first, seq, oldest)
+                    if replayed.get(seq) == _digest(frames[2]):  # this batch came with the replay
+                        continue
+                self._apply(socket, blocks, decoder, frames[2])
+                blocks.last_seq = seq
                 if not said:  # the first batch read: the operator's sign that kv_events sees this engine
                     said = True
                     self.log(f"KV-cache events of {socket}: following ({len(blocks.held)} blocks held)")
         finally:
             sub.close(linger=0)
+
+    def _apply(self, socket: Path, blocks: EngineBlocks, decoder: Any, payload: bytes) -> None:
+        try:
+            batch = decoder.decode(payload)
+        except Exception as exc:  # noqa: BLE001 - one batch it cannot read; the next may do
+            self.log(f"KV-cache events of {socket}: a batch not understood ({exc})")
+            return
+        blocks.apply(batch.events)
+
+    async def _replay(self, socket: Path, endpoint: str, first: int, blocks: EngineBlocks, decoder: Any,
+                      replayed: dict[int, bytes]) -> int | None:
+        """Ask the engine's publisher (vLLM's replay socket: a ROUTER) for the batches it
+        keeps from FIRST on, and apply them in order, each noted in REPLAYED (its digest);
+        the sequence number of the oldest it sent (None: it sent none)."""
+        import zmq
+
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        oldest: int | None = None
+        try:
+            dealer.connect(endpoint)
+            await dealer.send_multipart((b"", first.to_bytes(8, "big")))
+            while True:
+                if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
+                    self.log(f"KV-cache events of {socket}: the replay from batch {first} stopped answering "
+                             f"for {REPLAY_TIMEOUT_S:g} s; following without it")
+                    break
+                frames = await dealer.recv_multipart()
+                if len(frames) != 4:  # (empty, topic, sequence number, batch)
+                    continue
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq < 0:  # the publisher's end of the replay
+                    break
+                oldest = seq if oldest is None else oldest
+                if seq <= blocks.last_seq:
+                    continue
+                self._apply(socket, blocks, decoder, frames[3])
+                blocks.last_seq = seq
+                replayed[seq] = _digest(frames[3])
+                if len(replayed) % REPLAY_YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+        finally:
+            dealer.close(linger=0)
+        return oldest
+
+    def _say_replayed(self, socket: Path, blocks: EngineBlocks, first: int, seq: int, oldest: int | None) -> None:
+        """Log a replay of the batches FIRST to SEQ - 1, missed (OLDEST: the first the
+        engine still kept), at most once every REPLAY_LOG_EVERY_S per engine."""
+        now = time.monotonic()
+        if now - blocks.replay_said < REPLAY_LOG_EVERY_S:
+            return
+        blocks.replay_said = now
+        lost = seq - first if oldest is None else min(seq, max(oldest, first)) - first
+        self.log(f"KV-cache events of {socket}: batches {first}-{seq - 1} missed (read too slowly), "
+                 + (f"replayed by the engine but {lost} it no longer kept" if lost else "replayed by the engine"))
 
     def _encoder(self, description: dict[str, Any]) -> PromptTokens | None:
         """The prompt tokens of a model's engines (None while the tokenizer loads, or where it cannot load)."""
