@@ -282,6 +282,35 @@ def test_the_index_replays_what_the_engine_kept_what_it_missed_and_forgets_a_res
     assert not [line for line in said if "stopped answering" in line or "not understood" in line], said
 
 
+def test_the_index_reads_every_batch_the_engine_keeps(tmp_path: Path):
+    """The engine keeps 10,000 batches (vLLM's buffer_steps) and sends them at once when
+    asked: the index takes them all, none dropped over the publisher's high-water mark."""
+    sock = tmp_path / "1-m_0.sock"
+    write_description(sock, describe(sock, _ModelConfig(tmp_path / "no-tokenizer-needed")))
+    kept = 10_000
+    said: list[str] = []
+
+    async def run() -> None:
+        pub = _engines_publisher(sock)
+        index = KvEventsIndex(log=said.append)
+        try:
+            for i in range(kept):
+                pub.publish(kv.KVEventBatch(ts=time.time(), events=[_stored([i], None, [i] * BS)]))
+            while len(pub._buffer) < kept:
+                await asyncio.sleep(0.05)
+            for _ in range(600):
+                if index.follow([sock]):
+                    break
+                await asyncio.sleep(0.05)
+            assert len(index.engines[sock].held) == kept and index.engines[sock].last_seq == kept - 1, said
+        finally:
+            pub.shutdown()
+            await index.close()
+
+    asyncio.run(run())
+    assert said == [f"KV-cache events of {sock}: following ({kept} blocks held, {kept} batches replayed)"], said
+
+
 def test_a_description_is_written_whole_and_read_back(tmp_path: Path):
     sock = tmp_path / "1-0.sock"
     write_description(sock, {"endpoint": "ipc:///x", "tokenizer": "/m", "max_model_len": 8})

@@ -370,6 +370,9 @@ class KvEventsIndex:
 
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        # The publisher sends the whole replay at once, and its socket drops what is over
+        # its high-water mark (1,000) for a reader: this side takes it all in.
+        dealer.setsockopt(zmq.RCVHWM, 0)
         oldest: int | None = None
         try:
             dealer.connect(endpoint)
