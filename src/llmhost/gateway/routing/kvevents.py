@@ -54,6 +54,8 @@ ROOT = bytes(16)
 MAX_ROUTED_TOKENS = 32768
 # A replay that sends nothing for this long is given up (the engine stopped meanwhile).
 REPLAY_TIMEOUT_S = 5.0
+# A replay comes in one go: this long without a batch once some came, and the rest was dropped.
+REPLAY_QUIET_S = 1.0
 # Replayed batches applied between two turns of the event loop.
 REPLAY_YIELD_EVERY = 256
 # At most one log line a minute per engine about the batches it replayed.
@@ -365,32 +367,57 @@ class KvEventsIndex:
                       replayed: dict[int, bytes]) -> int | None:
         """Ask the engine's publisher (vLLM's replay socket: a ROUTER) for the batches it
         keeps from FIRST on, and apply them in order, each noted in REPLAYED (its digest);
-        the sequence number of the oldest it sent (None: it sent none)."""
+        the sequence number of the oldest it sent (None: it sent none). The publisher
+        sends a replay at once and drops what is over its high-water mark for a reader
+        too slow to take it, its end mark too: past a batch missing in the middle, or a
+        silence after some came, the rest is asked for again, as long as each round
+        brings some."""
+        oldest: int | None = None
+        while True:
+            brought, complete, answered = await self._replay_round(socket, endpoint, blocks, decoder, replayed)
+            if brought is not None and oldest is None:
+                oldest = brought
+            if not answered:
+                self.log(f"KV-cache events of {socket}: the replay from batch {blocks.last_seq + 1} stopped "
+                         f"answering for {REPLAY_TIMEOUT_S:g} s; following without it")
+                return oldest
+            if complete or brought is None:
+                return oldest
+
+    async def _replay_round(self, socket: Path, endpoint: str, blocks: EngineBlocks, decoder: Any,
+                            replayed: dict[int, bytes]) -> tuple[int | None, bool, bool]:
+        """One replay request, from the batch after the last applied: (the first batch
+        applied, or None; whether the replay came whole to its end mark; whether the
+        publisher answered at all). A socket of its own: what is left of an earlier
+        round never mixes in."""
         import zmq
 
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        # The publisher sends the whole replay at once, and its socket drops what is over
-        # its high-water mark (1,000) for a reader: this side takes it all in.
-        dealer.setsockopt(zmq.RCVHWM, 0)
-        oldest: int | None = None
+        dealer.setsockopt(zmq.RCVHWM, 0)  # this side takes in all that comes
+        first: int | None = None
+        answered = False
         try:
             dealer.connect(endpoint)
-            await dealer.send_multipart((b"", first.to_bytes(8, "big")))
+            await dealer.send_multipart((b"", (blocks.last_seq + 1).to_bytes(8, "big")))
             while True:
-                if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
-                    self.log(f"KV-cache events of {socket}: the replay from batch {first} stopped answering "
-                             f"for {REPLAY_TIMEOUT_S:g} s; following without it")
-                    break
+                # The publisher sends a replay in one go: a silence once some came means
+                # the rest, its end mark with it, was dropped.
+                if not await dealer.poll((REPLAY_QUIET_S if answered else REPLAY_TIMEOUT_S) * 1000):
+                    return first, False, answered
+                answered = True
                 frames = await dealer.recv_multipart()
                 if len(frames) != 4:  # (empty, topic, sequence number, batch)
                     continue
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq < 0:  # the publisher's end of the replay
-                    break
-                oldest = seq if oldest is None else oldest
+                    return first, True, True
                 if seq <= blocks.last_seq:
                     continue
+                if first is not None and seq != blocks.last_seq + 1:  # dropped in the middle: ask again
+                    return first, False, True
+                # The first may be past the one asked for: older ones the engine no longer keeps.
+                first = seq if first is None else first
                 self._apply(socket, blocks, decoder, frames[3])
                 blocks.last_seq = seq
                 replayed[seq] = _digest(frames[3])
@@ -398,7 +425,6 @@ class KvEventsIndex:
                     await asyncio.sleep(0)
         finally:
             dealer.close(linger=0)
-        return oldest
 
     def _say_replayed(self, socket: Path, blocks: EngineBlocks, first: int, seq: int, oldest: int | None) -> None:
         """Log a replay of the batches FIRST to SEQ - 1, missed (OLDEST: the first the
@@ -408,7 +434,7 @@ class KvEventsIndex:
             return
         blocks.replay_said = now
         lost = seq - first if oldest is None else min(seq, max(oldest, first)) - first
-        self.log(f"KV-cache events of {socket}: batches {first}-{seq - 1} missed (read too slowly), "
+        self.log(f"KV-cache events of {socket}: batches {first}-{seq - 1} missed, "
                  + (f"replayed by the engine but {lost} it no longer kept" if lost else "replayed by the engine"))
 
     def _encoder(self, description: dict[str, Any]) -> PromptTokens | None:
