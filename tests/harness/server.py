@@ -59,17 +59,37 @@ class Server(Endpoint):
 
 def start_server(model: Path, workdir: Path, name: str = "tiny", extra: list[str] | None = None) -> Server:
     """Start a server on free ports; a port taken between choosing and binding it
-    (another process's ephemeral port) means another try on new ports."""
+    (another process's ephemeral port) means another try on new ports, and so does an
+    engine that found too little free memory for its KV cache (other tests' engines
+    and booted hosts share this machine's memory), once memory is free again."""
+    why = ""
     for attempt in range(3):
         try:
             return _start_once(model, workdir / f"try{attempt}" if attempt else workdir, name, extra)
-        except PortTaken:
-            continue
-    raise RuntimeError("could not find free ports for the server in 3 tries")
+        except PortTaken as exc:
+            why = f"ports taken: {exc}"
+        except NoMemory as exc:
+            why = f"too little memory: {exc}"
+            print(f"start_server: vLLM's engine found too little free memory for its KV cache; waiting up to "
+                  f"{MEMORY_WAIT_S} s for {FREE_MEMORY_GIB} GiB free, then starting again", file=sys.stderr)
+            deadline = time.monotonic() + MEMORY_WAIT_S
+            while time.monotonic() < deadline and psutil.virtual_memory().available < FREE_MEMORY_GIB * 2**30:
+                time.sleep(2)
+    raise RuntimeError(f"the server did not start in 3 tries; the last: {why}")
 
 
 class PortTaken(RuntimeError):
     pass
+
+
+class NoMemory(RuntimeError):
+    pass
+
+
+# vLLM's CPU engine refuses to start where less memory is free than its KV cache asks.
+NO_MEMORY_SIGN = "on kv cache allocation is less than requested memory for kv"
+MEMORY_WAIT_S = 300
+FREE_MEMORY_GIB = 4
 
 
 def _start_once(model: Path, workdir: Path, name: str, extra: list[str] | None) -> Server:
@@ -99,9 +119,11 @@ def _start_once(model: Path, workdir: Path, name: str, extra: list[str] | None) 
             tail = server.log_tail()
             if "already in use" in tail:
                 raise PortTaken(tail)
+            if NO_MEMORY_SIGN in log.read_text(errors="replace"):
+                raise NoMemory(tail)
             raise RuntimeError(f"llmhost serve exited with {proc.returncode}:\n{tail}")
-        # Ready for the tests once `llmhost serve` has seen it ready too: serve restarts
-        # only a tritonserver that died after that (a kill before it would not restart).
+        # Ready for the tests once `llmhost serve` has seen it ready too: serve takes a
+        # first start that fails for a configuration that fails again (no restart).
         if server.model_ready(timeout_s=2) and SERVE_READY in log.read_text(errors="replace"):
             return server
         time.sleep(1)
