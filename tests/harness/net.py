@@ -1,10 +1,12 @@
-"""Ports on 127.0.0.1 for the servers the tests start."""
+"""Ports for the servers the tests start."""
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
+from pathlib import Path
 
 # Every port handed out in this process. A port is free only while nothing binds it:
 # a service that is stopped for a while (a test restarting a unit on the session's
@@ -26,21 +28,55 @@ def _worker_share() -> tuple[int, int]:
     return int(worker[2:]) % count, count
 
 
+def _ports_outside_ephemeral_range() -> range | list[int]:
+    """Ports that the kernel never picks as an outgoing connection's local port: those
+    below net.ipv4.ip_local_port_range (above 10000, clear of well-known services). A
+    port from the ephemeral range, free when chosen, may become a connection's source
+    port (any test's client, a follower's retries to the head) before the server binds
+    it; torch.distributed's store then fails with EADDRINUSE."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    below = range(10000, low)
+    above = range(high + 1, 65536)
+    chosen = max(below, above, key=len)
+    if len(chosen) < 1000:
+        return []
+    # torch.distributed's default store port, which any other program may take.
+    return [p for p in chosen if p != 29500]
+
+
+def port_free(port: int) -> bool:
+    """Nothing on any address holds ``port`` (a listener, a connection, TIME_WAIT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now, that this process has
+    """A TCP port that nothing holds right now, outside the kernel's ephemeral range
+    where that range leaves room (else one the kernel offers), that this process has
     not handed out before and that belongs to this test worker's share."""
     index, count = _worker_share()
+    candidates = _ports_outside_ephemeral_range()
     for _ in range(200 * count):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if (port // 2) % count != index:
+        if candidates:
+            port = random.choice(candidates)
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+        if (port // 2) % count != index or not port_free(port):
             continue
         with _LOCK:
             if port not in _GIVEN:
                 _GIVEN.add(port)
                 return port
-    raise RuntimeError("no port on 127.0.0.1 that was not handed out already (after 200 tries per worker)")
+    raise RuntimeError("no free port that was not handed out already (after 200 tries per worker)")
 
 
 # How long a test's OpenAI client waits for an answer. Not a bound on speed: with both

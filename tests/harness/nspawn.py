@@ -9,13 +9,13 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.harness.net import port_free
 from tests.harness.procs import (
     CGROUP_ROOTS,
     cgroup_dirs,
@@ -44,15 +44,6 @@ def host_exec(leader: int, cmd: Sequence[str], timeout: float | None = None) -> 
     return subprocess.run(
         nsenter_cmd(leader, cmd), text=True, capture_output=True, env=clean_env(), timeout=timeout, check=False
     )
-
-
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def write_inventory(st: HostState) -> None:

@@ -19,6 +19,7 @@ from llmhost.backend.watchdog import FollowerWatch, connected_endpoints, connect
 from llmhost.multinode import nodecheck
 from llmhost.multinode.follower import HeadWatch, follower_engine_args
 from llmhost.multinode.nodecheck import problems
+from tests.harness.net import free_port
 
 
 class Clock:
@@ -284,12 +285,6 @@ def test_nodecheck_gathers_this_host_and_compares_hosts(tmp_path: Path, tiny_mod
     assert missing.returncode == 2 and "a's facts in" in missing.stderr and "Traceback" not in missing.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     llmhost = str(Path(sys.executable).parent / "llmhost")
     return subprocess.run([llmhost, "nodecheck", *args], capture_output=True, text=True, timeout=timeout)
@@ -303,7 +298,7 @@ def test_a_blocked_port_is_named_with_both_hosts():
 
 
 def test_listen_returns_at_once_and_stops_listening_once_every_host_connected():
-    fixed = _free_port()
+    fixed = free_port()
     done = _run("listen", "--address", "127.0.0.1", "--port", str(fixed), "--port", "0", "--expect", "2",
                 "--seconds", "60", timeout=30)
     assert done.returncode == 0, done.stderr
@@ -385,7 +380,7 @@ def test_gather_names_the_ports_it_cannot_reach(tmp_path: Path, tiny_model: Path
         open_port.bind(("127.0.0.1", 0))
         open_port.listen()
         ok = open_port.getsockname()[1]
-        closed = _free_port()
+        closed = free_port()
         done = _run("gather", "--model-json", str(model_json), "--reach", f"a=127.0.0.1:{ok}",
                     "--reach", f"a=127.0.0.1:{closed}")
     assert done.returncode == 0, done.stderr
