@@ -28,17 +28,18 @@ def _worker_share() -> tuple[int, int]:
     return int(worker[2:]) % count, count
 
 
-def _ports_outside_ephemeral_range() -> range | list[int]:
-    """Ports that the kernel never picks as an outgoing connection's local port: those
-    below net.ipv4.ip_local_port_range (above 10000, clear of well-known services). A
-    port from the ephemeral range, free when chosen, may become a connection's source
-    port (any test's client, a follower's retries to the head) before the server binds
-    it; torch.distributed's store then fails with EADDRINUSE."""
+def _ports_outside_ephemeral_range() -> list[int]:
+    """Ports that the kernel never picks as an outgoing connection's local port: from
+    20000 to the start of net.ipv4.ip_local_port_range (or above its end, where that
+    leaves more room). A port from the ephemeral range, free when chosen, may become a
+    connection's source port (any test's client, a follower's retries to the head)
+    before the server binds it; torch.distributed's store then fails with EADDRINUSE.
+    Below 20000 lie well-known services and `make demo`'s fixed ports (18000-19100)."""
     try:
         low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     except (OSError, ValueError):
         low, high = 32768, 60999
-    below = range(10000, low)
+    below = range(20000, low)
     above = range(high + 1, 65536)
     chosen = max(below, above, key=len)
     if len(chosen) < 1000:
