@@ -7,4 +7,4 @@ OpenAI gateway), `server` (Triton's lifecycle and the model repository), `bench`
 which is never installed.
 """
 
-__version__ = "0.13.0"
+__version__ = "0.13.1"

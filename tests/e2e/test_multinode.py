@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -223,6 +224,27 @@ def nodes(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
 def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
     with pytest.MonkeyPatch.context() as mp:
         yield mp
+
+
+def test_a_head_whose_store_port_is_taken_fails_its_load_naming_the_port(tiny_model: Path, tmp_path: Path):
+    """Another process holds the head's master_port: the model's load fails at once,
+    naming the port and its holder, before any engine starts (no follower needed)."""
+    port = free_port()
+    engine = _engine_args(tiny_model, port)
+    extra = ["--engine-arg", "enforce_eager=false", "--engine-arg", "node_rank=0",
+             "--setting", f"followers={FOLLOWER_IP}"]
+    for key in ("pipeline_parallel_size", "nnodes", "master_addr", "master_port"):
+        extra += ["--engine-arg", f"{key}={engine[key]}"]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        with pytest.raises(RuntimeError, match="exited with"):
+            start_server(tiny_model, tmp_path, extra=extra)
+    log = (tmp_path / "serve.log").read_text(errors="replace")
+    assert (f"the port of its engine's torch.distributed store (master_port {port}) is taken on this host "
+            f"(pid {os.getpid()} (") in log, log[-3000:]
+    assert "EngineCore" not in log and "Traceback" not in log, log[-3000:]
+    assert "before it was ready; not restarting it" in log
 
 
 def test_model_serves_with_its_second_stage_on_the_follower(nodes: TwoNodes):

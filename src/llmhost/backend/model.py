@@ -56,6 +56,7 @@ from llmhost.backend.request import (
     client_label,
     parse_request,
 )
+from llmhost.backend.store_port import store_port_taken
 from llmhost.backend.stream_socket import SOCKET_DIR_ENV, StreamSocketServer, make_socket_folder, socket_path
 from llmhost.backend.triton_params import ENABLE_VLLM_HEALTH_CHECK, bool_param, metrics_enabled
 from llmhost.kv_events.sockets import describe, events_config, remove_description, write_description
@@ -425,6 +426,8 @@ class TritonPythonModel:
             raise pb.TritonModelException("the vllm backend needs a decoupled model: set model_transaction_policy "
                                           "{ decoupled: true } in config.pbtxt")
         self.config = self._load_config(pb, args)
+        if taken := store_port_taken(self.config.engine_args):
+            raise pb.TritonModelException(taken)
         self._apply_placement(args)
         self._publish_kv_events(args)
         self.metrics = ServingMetrics()
